@@ -1,0 +1,33 @@
+"""crossreplica: tf.distribute-style synchronous data-parallel training for PyTorch.
+
+Write a replica function once; run it on one device, on N in-process replicas,
+on N processes or on many hosts, with the same numbers.
+"""
+
+from . import errors
+from .collectives import (all_gather, all_reduce, all_to_all, broadcast, collective_permute,
+                          cross_replica_average, cross_replica_mean, cross_replica_sum, num_replicas,
+                          reduce_scatter, replica_id)
+from .context import (ReplicaContext, get_replica_context, get_strategy, has_strategy,
+                      in_cross_replica_context)
+from .errors import (CollectiveMismatchError, CollectiveTimeoutError, ReplicaContextError,
+                     ReplicaError)
+from .groups import Mesh, canonical_groups, contiguous_groups, strided_groups
+from .reduce_op import ReduceOp
+from .strategies import MirroredStrategy, OneDeviceStrategy, Strategy
+from .values import (DistributedValues, Mirrored, PerReplica, regroup, select_replica,
+                     select_replica_mirrored)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "errors",
+    "ReduceOp",
+    "DistributedValues", "PerReplica", "Mirrored", "regroup", "select_replica", "select_replica_mirrored",
+    "Mesh", "canonical_groups", "contiguous_groups", "strided_groups",
+    "ReplicaContext", "get_strategy", "has_strategy", "in_cross_replica_context", "get_replica_context",
+    "ReplicaContextError", "CollectiveMismatchError", "CollectiveTimeoutError", "ReplicaError",
+    "Strategy", "OneDeviceStrategy", "MirroredStrategy",
+    "all_reduce", "cross_replica_sum", "cross_replica_mean", "cross_replica_average", "all_gather",
+    "reduce_scatter", "all_to_all", "broadcast", "collective_permute", "replica_id", "num_replicas",
+]

@@ -1,0 +1,176 @@
+"""Strategy and replica contexts: a thread-local stack, as in tf.distribute.
+
+Entering ``strategy.scope()`` pushes a cross-replica frame; each replica thread
+of ``strategy.run`` pushes a replica frame holding its :class:`ReplicaContext`;
+``merge_call`` pushes a cross-replica frame while ``merge_fn`` runs. The stack
+is the only mutable module-level state of crossreplica.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from .errors import ReplicaContextError
+from .reduce_op import ReduceOp
+
+if TYPE_CHECKING:
+    import torch
+
+    from .engines.base import Engine
+    from .strategies.base import Strategy
+
+__all__ = [
+    "ReplicaContext",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+    "get_replica_context",
+]
+
+
+class _Stack(threading.local):
+    def __init__(self) -> None:
+        self.frames: list[tuple["Strategy", "ReplicaContext | None"]] = []
+
+
+_stack = _Stack()
+_default_strategy: "Strategy | None" = None
+_default_lock = threading.Lock()
+
+
+def push(strategy: "Strategy", replica_context: "ReplicaContext | None") -> None:
+    _stack.frames.append((strategy, replica_context))
+
+
+def pop() -> None:
+    _stack.frames.pop()
+
+
+def top() -> "tuple[Strategy, ReplicaContext | None] | None":
+    frames = _stack.frames
+    return frames[-1] if frames else None
+
+
+@contextlib.contextmanager
+def frame(strategy: "Strategy", replica_context: "ReplicaContext | None") -> Iterator[None]:
+    push(strategy, replica_context)
+    try:
+        yield
+    finally:
+        pop()
+
+
+def _default() -> "Strategy":
+    global _default_strategy
+    if _default_strategy is None:
+        with _default_lock:
+            if _default_strategy is None:
+                from .strategies.one_device import OneDeviceStrategy
+                _default_strategy = OneDeviceStrategy("cpu")
+    return _default_strategy
+
+
+def get_strategy() -> "Strategy":
+    """The strategy in scope, or a single-replica default strategy when none is."""
+    t = top()
+    return t[0] if t is not None else _default()
+
+
+def has_strategy() -> bool:
+    """True inside ``strategy.scope()`` or a replica function."""
+    return top() is not None
+
+
+def in_cross_replica_context() -> bool:
+    """True inside ``strategy.scope()`` (or ``merge_fn``) but not in a replica function."""
+    t = top()
+    return t is not None and t[1] is None
+
+
+def get_replica_context() -> "ReplicaContext | None":
+    """The current replica's context; None outside a replica function."""
+    t = top()
+    return t[1] if t is not None else None
+
+
+def require_replica_context(api: str) -> "ReplicaContext":
+    """The replica context, or a ReplicaContextError that says how to call ``api``."""
+    t = top()
+    if t is None or t[1] is None:
+        where = "in cross-replica context (strategy.scope() or merge_fn)" if t else "outside any strategy"
+        raise ReplicaContextError(
+            f"{api} must be called inside a replica function, but was called {where}; "
+            f"run it as strategy.run(fn, args=...) where fn calls {api}, or in cross-replica "
+            f"context use strategy.reduce / strategy.extended.reduce_to instead")
+    return t[1]
+
+
+class ReplicaContext:
+    """What a replica function knows about itself and its peers."""
+
+    __slots__ = ("_strategy", "_replica_id", "_local_index", "_engine")
+
+    def __init__(self, strategy: "Strategy", replica_id: int, local_index: int, engine: "Engine"):
+        self._strategy = strategy
+        self._replica_id = replica_id
+        self._local_index = local_index
+        self._engine = engine
+
+    @property
+    def strategy(self) -> "Strategy":
+        return self._strategy
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        return self._replica_id
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._engine.num_replicas
+
+    @property
+    def devices(self) -> "tuple[torch.device, ...]":
+        return (self._strategy.extended.worker_devices[self._local_index],)
+
+    @property
+    def device(self) -> "torch.device":
+        return self._strategy.extended.worker_devices[self._local_index]
+
+    @property
+    def engine(self) -> "Engine":
+        return self._engine
+
+    @property
+    def local_index(self) -> int:
+        return self._local_index
+
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any) -> Any:
+        """All-reduces a nest of tensors over every replica in sync."""
+        from . import collectives
+        return collectives.all_reduce(value, reduce_op)
+
+    def all_gather(self, value: Any, axis: int) -> Any:
+        """Concatenates every replica's ``value`` along ``axis`` (replica order)."""
+        from . import collectives
+        return collectives.all_gather(value, axis)
+
+    def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (),
+                   kwargs: dict | None = None) -> Any:
+        """Pauses every local replica, runs ``merge_fn(strategy, *regrouped)`` once, resumes.
+
+        Arguments are regrouped across the local replicas (PerReplica where they
+        differ); each replica receives its part of the result (select_replica).
+        """
+        if not callable(merge_fn):
+            raise TypeError(f"merge_fn must be callable; got {merge_fn!r}")
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"args must be a tuple of positional arguments; got {args!r}")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise TypeError(f"kwargs must be a dict or None; got {kwargs!r}")
+        return self._strategy.extended.merge_call(self, merge_fn, tuple(args), kwargs or {})
+
+    def __repr__(self) -> str:
+        return (f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, "
+                f"num_replicas_in_sync={self.num_replicas_in_sync})")

@@ -1,0 +1,286 @@
+"""The in-process engine: replicas are threads, tensors move by memory copies.
+
+Each collective is one :class:`Rendezvous` round. The leader checks that every
+replica made the same call, then either computes every output itself (small
+payloads: one barrier, no extra wake-ups) or hands out a plan that every
+replica executes on its own share, followed by a completion barrier (large
+payloads: the work and the memory traffic are spread over the threads, which
+run in parallel because torch kernels release the GIL).
+
+All-reduce in parallel mode is reduce-scatter then gather in one pass: the
+member at position ``j`` of a group reduces the ``j``-th share of every leaf,
+in ascending replica id, block by block so the partial sum stays in cache, and
+copies the finished block to every member's output. Reductions therefore equal
+the sequential sum ``((x0 + x1) + x2) + ...`` exactly, and every replica's
+output is a copy of the same bytes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import CollectiveMismatchError
+from ..groups import Groups
+from ..reduce_op import ReduceOp
+from .base import Call, Engine
+from .rendezvous import Rendezvous
+
+__all__ = ["ThreadsEngine", "DEFAULT_TIMEOUT"]
+
+DEFAULT_TIMEOUT = float(os.environ.get("CROSSREPLICA_TIMEOUT", "300"))
+
+# Payloads at least this large (bytes per replica) are processed by every
+# replica in parallel; smaller ones by the leader alone (benchmarks/allreduce.py).
+PARALLEL_BYTES = 256 * 1024
+# Elements per block of the parallel all-reduce: the running sum of one block
+# stays in L2 while the inputs stream through.
+BLOCK_BYTES = 256 * 1024
+
+_PHASE = Call("barrier", (), ())
+
+
+def reduce_into(op: ReduceOp, out: torch.Tensor, xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``out = xs[0] (op) xs[1] (op) ...`` left to right; MEAN also divides by len(xs)."""
+    if len(xs) == 1:
+        out.copy_(xs[0])
+    else:
+        _binary(op, xs[0], xs[1], out)
+        for x in xs[2:]:
+            _binary(op, out, x, out)
+    if op is ReduceOp.MEAN:
+        out.div_(len(xs))
+    return out
+
+
+def _binary(op: ReduceOp, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    if out.dtype == torch.bool:
+        if op is ReduceOp.SUM or op is ReduceOp.MAX:
+            torch.logical_or(a, b, out=out)
+        else:  # PROD, MIN
+            torch.logical_and(a, b, out=out)
+    elif op is ReduceOp.SUM or op is ReduceOp.MEAN:
+        torch.add(a, b, out=out)
+    elif op is ReduceOp.MAX:
+        torch.maximum(a, b, out=out)
+    elif op is ReduceOp.MIN:
+        torch.minimum(a, b, out=out)
+    else:
+        torch.mul(a, b, out=out)
+
+
+class _Plan:
+    """What the leader hands out: finished outputs, or work for every replica."""
+
+    __slots__ = ("outputs", "parallel", "call", "payloads", "extra")
+
+    def __init__(self, outputs: list | None, parallel: bool = False, call: Call | None = None,
+                 payloads: list | None = None, extra: Any = None):
+        self.outputs = outputs
+        self.parallel = parallel
+        self.call = call
+        self.payloads = payloads
+        self.extra = extra
+
+
+def check_agreement(calls: Sequence[Call], names: Sequence[int], round_no: int | None = None) -> None:
+    """Raises CollectiveMismatchError unless the calls agree (kind and groups
+    everywhere; parameters, shapes and dtypes within each group)."""
+    c0 = calls[0]
+    ok = all(c.kind == c0.kind and c.groups == c0.groups for c in calls)
+    if ok and c0.kind not in ("merge_call", "barrier"):
+        pos = {r: i for i, r in enumerate(names)}
+        groups = c0.groups if c0.kind != "permute" else (tuple(names),)
+        for g in groups:
+            first = calls[pos[g[0]]]
+            for r in g[1:]:
+                c = calls[pos[r]]
+                if c.params != first.params or c.dtypes != first.dtypes or not _shapes_agree(first, c):
+                    ok = False
+                    break
+            if not ok:
+                break
+    if not ok:
+        lines = "\n".join(f"  replica {r}: {c.describe()}" for r, c in zip(names, calls))
+        raise CollectiveMismatchError(
+            f"replicas made different collective calls (they must call the same collectives, in the "
+            f"same order, with the same op, group, shapes and dtypes):\n{lines}")
+
+
+def _shapes_agree(a: Call, b: Call) -> bool:
+    if a.kind != "all_gather":
+        return a.shapes == b.shapes
+    if len(a.shapes) != len(b.shapes):
+        return False
+    for d, sa, sb in zip(a.params[0], a.shapes, b.shapes):
+        if len(sa) != len(sb):
+            return False
+        if sa[:d] + sa[d + 1:] != sb[:d] + sb[d + 1:]:
+            return False
+    return True
+
+
+class ThreadsEngine(Engine):
+    """Collectives between replica threads of one process."""
+
+    def __init__(self, devices: Sequence[torch.device], timeout: float = DEFAULT_TIMEOUT,
+                 rendezvous: Rendezvous | None = None, replica_ids: Sequence[int] | None = None):
+        self.devices = tuple(devices)
+        self.num_replicas = len(self.devices)
+        self.local_replica_ids = tuple(replica_ids) if replica_ids is not None else tuple(range(self.num_replicas))
+        self._index = {r: i for i, r in enumerate(self.local_replica_ids)}
+        self.rendezvous = rendezvous or Rendezvous(self.num_replicas, timeout, self.local_replica_ids)
+
+    @property
+    def timeout(self) -> float:
+        return self.rendezvous.timeout
+
+    # ------------------------------------------------------------ lifecycle
+
+    def begin_run(self) -> None:
+        self.rendezvous.begin_run()
+
+    def finish(self, replica_id: int) -> None:
+        self.rendezvous.finish(self._index[replica_id])
+
+    def abort(self, replica_id: int, exc: BaseException) -> None:
+        self.rendezvous.abort(self._index[replica_id], exc)
+
+    # ------------------------------------------------------------ execution
+
+    def execute(self, replica_id: int, call: Call, tensors: list[torch.Tensor],
+                timeout: float | None = None) -> list[torch.Tensor]:
+        i = self._index[replica_id]
+        tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+        plan = self.rendezvous.exchange(i, call, tensors, self._lead, timeout)
+        if not plan.parallel:
+            return plan.outputs[i]
+        try:
+            out = self._part(plan, i)
+        except BaseException as e:
+            self.rendezvous.abort(i, e)
+            raise
+        self.rendezvous.exchange(i, _PHASE, None, None, timeout)
+        return out if out is not None else plan.outputs[i]
+
+    def exchange_objects(self, replica_id: int, call: Call, obj: Any, leader_fn: Any,
+                         timeout: float | None = None) -> Any:
+        """A rendezvous round on arbitrary payloads (merge_call is built on it)."""
+        return self.rendezvous.exchange(self._index[replica_id], call, obj, leader_fn, timeout)
+
+    def _lead(self, calls: list[Call], payloads: list[list[torch.Tensor]]) -> _Plan:
+        check_agreement(calls, self.local_replica_ids)
+        call = calls[0]
+        nbytes = sum(t.numel() * t.element_size() for t in payloads[0])
+        parallel = (self.num_replicas > 1 and nbytes >= PARALLEL_BYTES
+                    and all(len(g) > 1 for g in call.groups) and call.kind != "permute")
+        if call.kind == "all_reduce":
+            return self._lead_all_reduce(call, payloads, parallel)
+        if parallel:
+            return _Plan([None] * self.num_replicas, True, call, payloads)
+        outputs = [self._own(call, payloads, i) for i in range(self.num_replicas)]
+        return _Plan(outputs)
+
+    def _part(self, plan: _Plan, i: int) -> list[torch.Tensor] | None:
+        if plan.call.kind == "all_reduce":
+            self._all_reduce_share(plan, i)
+            return None
+        return self._own(plan.call, plan.payloads, i)
+
+    # ------------------------------------------------------------ all_reduce
+
+    def _lead_all_reduce(self, call: Call, payloads: list, parallel: bool) -> _Plan:
+        op: ReduceOp = call.params[0]
+        idx = self._index
+        outputs: list[list[torch.Tensor]] = [[None] * len(payloads[0]) for _ in payloads]  # type: ignore[list-item]
+        if parallel:
+            for i, xs in enumerate(payloads):
+                outputs[i] = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
+            return _Plan(outputs, True, call, payloads)
+        for g in call.groups:
+            members = [idx[r] for r in sorted(g)]
+            for t in range(len(payloads[0])):
+                xs = [payloads[m][t] for m in members]
+                if any(x.device != xs[0].device for x in xs):
+                    xs = [x.to(xs[0].device) for x in xs]
+                acc = reduce_into(op, torch.empty_like(xs[0]), xs)
+                for k, m in enumerate(members):
+                    target = payloads[m][t].device
+                    outputs[m][t] = acc if k == 0 and target == acc.device else acc.to(target, copy=True)
+        return _Plan(outputs)
+
+    def _all_reduce_share(self, plan: _Plan, i: int) -> None:
+        call, payloads, outputs = plan.call, plan.payloads, plan.outputs
+        op: ReduceOp = call.params[0]
+        rid = self.local_replica_ids[i]
+        for g in call.groups:
+            if rid in g:
+                members = [self._index[r] for r in sorted(g)]
+                break
+        j, k = members.index(i), len(members)
+        for t in range(len(payloads[i])):
+            xs = [payloads[m][t].view(-1) for m in members]
+            outs = [outputs[m][t].view(-1) for m in members]
+            n = xs[0].numel()
+            lo, hi = n * j // k, n * (j + 1) // k
+            if hi <= lo:
+                continue
+            if any(x.device != xs[0].device for x in xs) or any(o.device != xs[0].device for o in outs):
+                xs_local = [x[lo:hi].to(outs[0].device) for x in xs]
+                reduce_into(op, outs[0][lo:hi], xs_local)
+                for o in outs[1:]:
+                    o[lo:hi].copy_(outs[0][lo:hi])
+                continue
+            step = max(1, BLOCK_BYTES // xs[0].element_size())
+            for a in range(lo, hi, step):
+                b = min(hi, a + step)
+                dst = outs[0][a:b]
+                reduce_into(op, dst, [x[a:b] for x in xs])
+                for o in outs[1:]:
+                    o[a:b].copy_(dst)
+
+    # ------------------------------------------------------------ the rest
+
+    def _own(self, call: Call, payloads: list, i: int) -> list[torch.Tensor]:
+        """Replica ``i``'s outputs of a non-all-reduce collective."""
+        kind, idx = call.kind, self._index
+        rid = self.local_replica_ids[i]
+        mine = payloads[i]
+        if kind == "permute":
+            pairs = call.params[0]
+            for s, t in pairs:
+                if t == rid:
+                    return [x.to(m.device, copy=True) for x, m in zip(payloads[idx[s]], mine)]
+            return [torch.zeros_like(m) for m in mine]
+        group = next(g for g in call.groups if rid in g)
+        pos = group.index(rid)
+        k = len(group)
+        members = [idx[r] for r in group]  # group order: gather and scatter positions
+        sorted_members = [idx[r] for r in sorted(group)]  # reduction order
+        out = []
+        for t, x in enumerate(mine):
+            if kind == "all_gather":
+                d = call.params[0][t]
+                out.append(torch.cat([payloads[m][t].to(x.device) for m in members], d))
+            elif kind == "reduce_scatter":
+                op, dims, sizes = call.params
+                d = dims[t]
+                if sizes is None:
+                    c = x.shape[d] // k
+                    start, length = pos * c, c
+                else:
+                    start, length = sum(sizes[t][:pos]), sizes[t][pos]
+                xs = [payloads[m][t].narrow(d, start, length).to(x.device) for m in sorted_members]
+                out.append(reduce_into(op, torch.empty_like(xs[0], memory_format=torch.contiguous_format), xs))
+            elif kind == "all_to_all":
+                sd, cd = call.params[0][t], call.params[1][t]
+                c = x.shape[sd] // k
+                out.append(torch.cat([payloads[m][t].narrow(sd, pos * c, c).to(x.device) for m in members], cd))
+            elif kind == "broadcast":
+                src = members[call.params[0]]
+                out.append(payloads[src][t].to(x.device, copy=True))
+            else:
+                raise ValueError(f"unknown collective kind {kind!r}")
+        return out

@@ -1,0 +1,91 @@
+"""Exceptions raised by crossreplica.
+
+Every error a user can trigger derives from :class:`CrossReplicaError`, so
+``except cr.errors.CrossReplicaError`` catches all of them; each also derives
+from the builtin its meaning matches (RuntimeError, TimeoutError) so generic
+handlers keep working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CrossReplicaError",
+    "ReplicaContextError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "ReplicaError",
+]
+
+
+class CrossReplicaError(RuntimeError):
+    """Base class of crossreplica's runtime errors."""
+
+
+class ReplicaContextError(CrossReplicaError):
+    """A replica-only API was called outside a replica function (or the reverse)."""
+
+
+class CollectiveMismatchError(CrossReplicaError):
+    """Replicas disagree on a collective: op, shape, dtype, group or call order.
+
+    The message lists each replica's call so the diverging one is visible.
+    """
+
+
+class CollectiveTimeoutError(CrossReplicaError, TimeoutError):
+    """Some replicas never arrived at a collective within the timeout.
+
+    Attributes:
+        missing: the replica ids (or ranks) that did not arrive, when known.
+    """
+
+    def __init__(self, message: str, missing: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.missing = tuple(missing)
+
+
+class ReplicaError(CrossReplicaError):
+    """A replica function raised; the other replicas were released.
+
+    Attributes:
+        replica_id: the replica whose function raised first.
+        original: the exception it raised (also ``__cause__``).
+    """
+
+    def __init__(self, replica_id: int, original: BaseException):
+        super().__init__(
+            f"replica {replica_id} raised {type(original).__name__}: {original}")
+        self.replica_id = replica_id
+        self.original = original
+        self.__cause__ = original
+
+
+_wrapped_types: dict[type, type] = {}
+
+
+def replica_error(replica_id: int, original: BaseException) -> ReplicaError:
+    """A ReplicaError that is also an instance of ``type(original)``.
+
+    So ``except ValueError`` still catches a replica's ValueError raised through
+    ``strategy.run``, while ``except cr.errors.ReplicaError`` sees which replica.
+    """
+    cls = type(original)
+    if isinstance(original, ReplicaError) or not isinstance(original, Exception):
+        return ReplicaError(replica_id, original)
+    wrapped = _wrapped_types.get(cls)
+    if wrapped is None:
+        try:
+            wrapped = type(f"ReplicaError[{cls.__name__}]", (ReplicaError, cls),
+                           {"__init__": ReplicaError.__init__, "__str__": Exception.__str__,
+                            "__module__": __name__})
+        except TypeError:  # layout conflict (e.g. OSError): plain ReplicaError
+            wrapped = ReplicaError
+        _wrapped_types[cls] = wrapped
+    try:
+        return wrapped(replica_id, original)
+    except Exception:
+        return ReplicaError(replica_id, original)
+
+
+class ReplicaAborted(CrossReplicaError):
+    """Raised in the replicas released because another replica failed (internal)."""

@@ -1,0 +1,7 @@
+"""Distribution strategies: where replicas run and how they talk."""
+
+from .base import Strategy, StrategyExtended
+from .mirrored import MirroredStrategy
+from .one_device import OneDeviceStrategy
+
+__all__ = ["Strategy", "StrategyExtended", "OneDeviceStrategy", "MirroredStrategy"]

@@ -1,0 +1,262 @@
+"""What every strategy shares: scope, run, reduce, gather, local results, merge_call.
+
+A strategy owns a list of local devices (one replica each) and an engine.
+``run`` calls the replica function once per local replica, in a thread per
+replica when there are several, with each replica's part of the arguments
+(``select_replica``), and regroups the results. Engine-specific behaviour is
+confined to the engine and to the two hooks :meth:`StrategyExtended.reduce_values`
+and :meth:`StrategyExtended.gather_values`, which multi-process strategies extend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from .. import context, nest
+from ..context import ReplicaContext
+from ..engines.base import Call, Engine
+from ..engines.threads import reduce_into
+from ..errors import ReplicaContextError, replica_error
+from ..reduce_op import ReduceOp, check_dtype, reduce_non_distributed_value
+from ..values import DistributedValues, regroup, select_replica
+from .replica_threads import ReplicaThreads
+
+__all__ = ["Strategy", "StrategyExtended"]
+
+_MERGE = Call("merge_call", (), ())
+
+
+class StrategyExtended:
+    """The strategy's machinery: devices, engine, replica threads, merge_call."""
+
+    def __init__(self, container: "Strategy", devices: Sequence[torch.device], engine: Engine,
+                 cross_device_ops: Any = None):
+        self._container_ref = weakref.ref(container)
+        self.worker_devices = tuple(devices)
+        self.engine = engine
+        self.cross_device_ops = cross_device_ops
+        n = len(self.worker_devices)
+        self._threads = ReplicaThreads(n, type(container).__name__) if n > 1 else None
+        if self._threads is not None:
+            weakref.finalize(container, self._threads.close)
+
+    @property
+    def _container(self) -> "Strategy":
+        return self._container_ref()  # type: ignore[return-value]
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.engine.num_replicas
+
+    @property
+    def local_replica_ids(self) -> tuple[int, ...]:
+        return self.engine.local_replica_ids
+
+    @property
+    def timeout(self) -> float:
+        return getattr(self.engine, "timeout", 300.0)
+
+    # ------------------------------------------------------------ replica execution
+
+    def call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[Any]:
+        """Runs ``fn`` once per local replica; returns the results in local order."""
+        strategy, engine = self._container, self.engine
+        ids, devices = self.local_replica_ids, self.worker_devices
+        engine.begin_run()
+
+        def body(i: int) -> Any:
+            rctx = ReplicaContext(strategy, ids[i], i, engine)
+            a, kw = select_replica(i, args), select_replica(i, kwargs)
+            context.push(strategy, rctx)
+            try:
+                if devices[i].type == "cuda":
+                    with torch.cuda.device(devices[i]):
+                        out = fn(*a, **kw)
+                else:
+                    out = fn(*a, **kw)
+            finally:
+                context.pop()
+            engine.finish(ids[i])
+            return out
+
+        if self._threads is None:
+            try:
+                return [body(0)]
+            except Exception as e:
+                engine.abort(ids[0], e)
+                from .replica_threads import raise_first_failure
+                raise_first_failure([(0, e)])
+        return self._threads.run(body, lambda i, e: engine.abort(ids[i], e), self.timeout)
+
+    def merge_call(self, rctx: ReplicaContext, merge_fn: Callable[..., Any], args: tuple,
+                   kwargs: dict) -> Any:
+        """Pauses the local replicas, runs ``merge_fn`` once in cross-replica context."""
+        strategy = self._container
+
+        def lead(calls: list, payloads: list) -> Any:
+            merge_args = regroup(tuple(p[1] for p in payloads))
+            merge_kwargs = regroup(tuple(p[2] for p in payloads))
+            with context.frame(strategy, None):
+                return payloads[0][0](strategy, *merge_args, **merge_kwargs)
+
+        result = self.engine.exchange_objects(rctx.replica_id_in_sync_group, _MERGE,
+                                              (merge_fn, args, kwargs), lead)
+        return select_replica(rctx.local_index, result)
+
+    # ------------------------------------------------------------ cross-replica hooks
+
+    def reduce_values(self, op: ReduceOp, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Reduces one tensor per local replica (in local order) over all replicas in sync."""
+        device = tensors[0].device
+        xs = [t.to(device) for t in tensors]
+        return reduce_into(op, torch.empty_like(xs[0], memory_format=torch.contiguous_format), xs)
+
+    def gather_values(self, tensors: Sequence[torch.Tensor], axis: int) -> torch.Tensor:
+        """Concatenates one tensor per local replica over all replicas in sync."""
+        device = tensors[0].device
+        return torch.cat([t.to(device) for t in tensors], axis)
+
+
+class Strategy:
+    """Base of every distribution strategy."""
+
+    extended: StrategyExtended
+
+    # ------------------------------------------------------------ scope
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator["Strategy"]:
+        """Makes this the current strategy (cross-replica context) inside the block."""
+        t = context.top()
+        if t is not None and t[0] is not self:
+            raise ValueError(
+                f"cannot enter the scope of {self!r} inside the scope of {t[0]!r}; mixing "
+                f"strategies is not supported, leave the outer scope first")
+        with context.frame(self, None):
+            yield self
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.extended.num_replicas_in_sync
+
+    # ------------------------------------------------------------ run
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None) -> Any:
+        """Runs ``fn`` on every local replica and regroups the results.
+
+        ``args``/``kwargs`` go through ``select_replica`` (a PerReplica gives each
+        replica its own value); trailing ``None`` args are dropped. A replica that
+        raises releases the others; the run then raises a ReplicaError that is
+        also an instance of the original exception's type.
+        """
+        if not callable(fn):
+            raise TypeError(f"fn must be callable; got {fn!r}")
+        if isinstance(args, (str, bytes)) or not isinstance(args, (tuple, list)):
+            raise TypeError(f"args must be a tuple or list of positional arguments; got {args!r}")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise TypeError(f"kwargs must be a dict or None; got {kwargs!r}")
+        if context.get_replica_context() is not None:
+            raise ReplicaContextError(
+                "strategy.run was called inside a replica function; call it from the main program "
+                "(cross-replica context)")
+        args = tuple(args)
+        while args and args[-1] is None:
+            args = args[:-1]
+        kwargs = kwargs or {}
+        self._check_distributed(("args", args), ("kwargs", kwargs))
+        with self.scope():
+            results = self.extended.call_for_each_replica(fn, args, kwargs)
+        return regroup(results)
+
+    def _check_distributed(self, *named: tuple[str, Any]) -> None:
+        n = len(self.extended.worker_devices)
+        for name, value in named:
+            leaves, _ = nest.flatten(value)
+            for leaf in leaves:
+                if isinstance(leaf, DistributedValues) and len(leaf.values) != n:
+                    raise ValueError(
+                        f"{name} holds a {type(leaf).__name__} with {len(leaf.values)} values, but "
+                        f"{type(self).__name__} has {n} local replicas; build it with one value per "
+                        f"replica (strategy.experimental_local_results shows the layout)")
+
+    # ------------------------------------------------------------ cross-replica API
+
+    def _require_cross_replica(self, api: str) -> None:
+        if context.get_replica_context() is not None:
+            raise ReplicaContextError(
+                f"strategy.{api} must be called in cross-replica context (outside strategy.run); "
+                f"inside a replica function use cr.all_reduce / cr.all_gather")
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """The values held by this process's replicas, in local order."""
+        if isinstance(value, DistributedValues):
+            return value.values
+        leaves, _ = nest.flatten(value)
+        if any(isinstance(v, DistributedValues) for v in leaves):
+            return tuple(select_replica(i, value) for i in range(len(self.extended.worker_devices)))
+        return (value,)
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """Reduces a per-replica value (or nest of them) over every replica in sync.
+
+        With ``axis``, each replica's tensor is first reduced along it too; MEAN
+        then divides by the total number of elements along ``axis`` on every
+        replica, so uneven per-replica batches give the exact global mean.
+        """
+        self._require_cross_replica("reduce")
+        op = ReduceOp.from_any(reduce_op, "reduce_op")
+        if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int)):
+            raise TypeError(f"axis must be an int or None; got {axis!r}")
+        return nest.map_structure(lambda v: self._reduce_one(op, v, axis), value)
+
+    def _reduce_one(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
+        distributed = isinstance(value, DistributedValues)
+        tensors = [v if isinstance(v, torch.Tensor) else torch.as_tensor(v)
+                   for v in self.experimental_local_results(value)]
+        for t in tensors:
+            check_dtype(op, t.dtype, "value")
+        if axis is not None:
+            for t in tensors:
+                if not -max(t.dim(), 1) <= axis < max(t.dim(), 1):
+                    raise ValueError(
+                        f"axis={axis} is out of range for a per-replica value of shape {list(t.shape)}")
+            if op is ReduceOp.MEAN:
+                total = self.extended.reduce_values(ReduceOp.SUM, [t.sum(axis) for t in tensors])
+                count = self.extended.reduce_values(
+                    ReduceOp.SUM, [torch.tensor(t.shape[axis] if t.dim() else 1) for t in tensors])
+                return total / count.to(total.device)
+            local = {ReduceOp.SUM: lambda t: t.sum(axis), ReduceOp.MAX: lambda t: t.amax(axis),
+                     ReduceOp.MIN: lambda t: t.amin(axis), ReduceOp.PROD: lambda t: t.prod(axis)}[op]
+            tensors = [local(t) for t in tensors]
+        if not distributed:
+            return reduce_non_distributed_value(op, tensors[0], self.num_replicas_in_sync)
+        return self.extended.reduce_values(op, tensors)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenates every replica's value along ``axis`` (replica order)."""
+        self._require_cross_replica("gather")
+        if isinstance(axis, bool) or not isinstance(axis, int):
+            raise TypeError(f"axis must be an int; got {axis!r}")
+
+        def one(v: Any) -> Any:
+            tensors = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t)
+                       for t in self.experimental_local_results(v)]
+            tensors = [t.unsqueeze(0) if t.dim() == 0 else t for t in tensors]
+            for t in tensors:
+                if not -t.dim() <= axis < t.dim():
+                    raise ValueError(f"axis={axis} is out of range for a per-replica value of shape "
+                                     f"{list(t.shape)}")
+            if not isinstance(v, DistributedValues):
+                tensors = tensors * self.num_replicas_in_sync
+                return torch.cat(tensors, axis)
+            return self.extended.gather_values(tensors, axis)
+
+        return nest.map_structure(one, value)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync}, "
+                f"devices={[str(d) for d in self.extended.worker_devices]})")

@@ -1,0 +1,55 @@
+"""MirroredStrategy: N replicas in this process, one thread per replica."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ..engines.threads import DEFAULT_TIMEOUT, ThreadsEngine
+from .base import Strategy, StrategyExtended
+from .devices import canonical_device
+
+__all__ = ["MirroredStrategy"]
+
+
+class MirroredStrategy(Strategy):
+    """Synchronous replicas as threads of this process, one per device.
+
+    Args:
+        num_replicas: how many replicas. Defaults to one per device in
+            ``devices``, else one per visible GPU, else 1.
+        devices: one device per replica; several replicas may share a device
+            (``["cpu"] * 4``). Defaults to the visible GPUs (round-robin when
+            there are more replicas than GPUs), else the CPU.
+        cross_device_ops: how cross-replica reductions are done in cross-replica
+            context (default: ``AllReduceCrossDeviceOps``).
+        timeout_seconds: how long a collective waits for missing replicas
+            before raising CollectiveTimeoutError (env CROSSREPLICA_TIMEOUT,
+            default 300).
+    """
+
+    def __init__(self, num_replicas: int | None = None, devices: Sequence[Any] | None = None,
+                 cross_device_ops: Any = None, *, timeout_seconds: float | None = None):
+        if num_replicas is not None and (isinstance(num_replicas, bool) or not isinstance(num_replicas, int)
+                                         or num_replicas < 1):
+            raise ValueError(f"num_replicas must be a positive int or None; got {num_replicas!r}")
+        if devices is not None:
+            if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence) or not devices:
+                raise ValueError(
+                    f"devices must be a non-empty list with one device per replica, e.g. ['cpu', 'cpu']; "
+                    f"got {devices!r}")
+            devs = [canonical_device(d, f"devices[{i}]") for i, d in enumerate(devices)]
+            if num_replicas is not None and num_replicas != len(devs):
+                raise ValueError(
+                    f"num_replicas={num_replicas} does not match the {len(devs)} devices given; "
+                    f"pass one device per replica or leave num_replicas out")
+        else:
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            n = num_replicas if num_replicas is not None else max(gpus, 1)
+            devs = ([torch.device("cuda", i % gpus) for i in range(n)] if gpus
+                    else [torch.device("cpu")] * n)
+        timeout = DEFAULT_TIMEOUT if timeout_seconds is None else float(timeout_seconds)
+        if not timeout > 0:
+            raise ValueError(f"timeout_seconds must be a positive number; got {timeout_seconds!r}")
+        self.extended = StrategyExtended(self, devs, ThreadsEngine(devs, timeout), cross_device_ops)

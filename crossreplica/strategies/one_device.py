@@ -1,0 +1,19 @@
+"""OneDeviceStrategy: the replica function runs once, in the calling thread."""
+
+from __future__ import annotations
+
+import torch
+
+from ..engines.threads import DEFAULT_TIMEOUT, ThreadsEngine
+from .base import Strategy, StrategyExtended
+from .devices import canonical_device
+
+__all__ = ["OneDeviceStrategy"]
+
+
+class OneDeviceStrategy(Strategy):
+    """One replica on ``device``; the same code as N replicas, with N = 1."""
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        dev = canonical_device(device, "device")
+        self.extended = StrategyExtended(self, [dev], ThreadsEngine([dev], DEFAULT_TIMEOUT))
