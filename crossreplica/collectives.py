@@ -44,7 +44,12 @@ __all__ = [
 
 # --------------------------------------------------------------------------- plumbing
 
+_SINGLE = nest.flatten(0)[1]  # the spec of a bare leaf
+
+
 def _tensor_leaves(x: Any, api: str) -> tuple[list, Any, list[int], list[torch.Tensor]]:
+    if isinstance(x, torch.Tensor):  # the common case, without walking
+        return [x], _SINGLE, [0], [x]
     leaves, spec = nest.flatten(x)
     where: list[int] = []
     tensors: list[torch.Tensor] = []
@@ -75,9 +80,16 @@ def _raw(rctx: ReplicaContext, kind: str, groups: Groups, params: tuple,
 
 def _execute(rctx: ReplicaContext, kind: str, groups: Groups, params: tuple,
              tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if torch.is_grad_enabled() and _any_requires_grad(tensors):
         return list(_Collective.apply(rctx, kind, groups, params, *tensors))
     return _raw(rctx, kind, groups, params, tensors)
+
+
+def _any_requires_grad(tensors: list[torch.Tensor]) -> bool:
+    for t in tensors:
+        if t.requires_grad:
+            return True
+    return False
 
 
 class _Collective(torch.autograd.Function):
@@ -224,7 +236,7 @@ def all_gather(x: Any, dim: int = 0, group_assignment: Any = None) -> Any:
 
 def _execute_gather(rctx: ReplicaContext, groups: Groups, dims: tuple,
                     tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if torch.is_grad_enabled() and _any_requires_grad(tensors):
         return list(_Gather.apply(rctx, "all_gather", groups, (dims,), *tensors))
     return _raw(rctx, "all_gather", groups, (dims,), tensors)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 from collections import abc
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 __all__ = ["is_container", "children", "rebuild", "flatten", "unflatten", "map_structure", "path_str"]
 
@@ -75,28 +75,29 @@ _LEAF = _Spec(None, (), None)
 def flatten(nest: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[Any], _Spec]:
     """Leaves of ``nest`` in a fixed order, and the spec :func:`unflatten` needs."""
     leaves: list[Any] = []
-
-    def walk(x: Any) -> _Spec:
-        if not is_container(x) or (is_leaf is not None and is_leaf(x)):
-            leaves.append(x)
-            return _LEAF
-        keys, items = children(x)
-        return _Spec(x, keys, tuple(walk(i) for i in items))
-
-    spec = walk(nest)
+    spec = _walk(nest, leaves, is_leaf)
     return leaves, spec
+
+
+def _walk(x: Any, leaves: list[Any], is_leaf: Callable[[Any], bool] | None) -> _Spec:
+    if not is_container(x) or (is_leaf is not None and is_leaf(x)):
+        leaves.append(x)
+        return _LEAF
+    keys, items = children(x)
+    return _Spec(x, keys, tuple([_walk(i, leaves, is_leaf) for i in items]))
 
 
 def unflatten(spec: _Spec, leaves: Sequence[Any]) -> Any:
     """Inverse of :func:`flatten`."""
-    it = iter(leaves)
+    return _build(spec, iter(leaves))
 
-    def build(s: _Spec) -> Any:
-        if s.kids is None:
-            return next(it)
-        return rebuild(s.template, s.keys, (build(k) for k in s.kids))
 
-    return build(spec)
+def _build(spec: _Spec, it: Iterator[Any]) -> Any:
+    # A module-level function: a recursive closure would form a reference cycle
+    # that keeps every leaf (often large tensors) alive until the cyclic GC runs.
+    if spec.kids is None:
+        return next(it)
+    return rebuild(spec.template, spec.keys, [_build(k, it) for k in spec.kids])
 
 
 def map_structure(fn: Callable[..., Any], nest: Any) -> Any:

@@ -26,10 +26,10 @@ class ReduceOp(enum.Enum):
     @classmethod
     def from_any(cls, op: "ReduceOp | str", argname: str = "op") -> "ReduceOp":
         """Returns ``op`` as a ReduceOp; raises ValueError naming the valid ones."""
-        if isinstance(op, cls):
+        if op.__class__ is cls:
             return op
         if isinstance(op, str):
-            member = cls.__members__.get(op.upper())
+            member = _BY_NAME.get(op) or cls.__members__.get(op.upper())
             if member is not None:
                 return member
         valid = ", ".join(m.name for m in cls)
@@ -40,15 +40,8 @@ class ReduceOp(enum.Enum):
         return self.name.lower()
 
 
-def combine_(op: ReduceOp, acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Folds ``x`` into ``acc`` in place (MEAN folds as SUM; the caller divides)."""
-    if op is ReduceOp.SUM or op is ReduceOp.MEAN:
-        return torch.add(acc, x, out=acc) if acc.dtype != torch.bool else torch.logical_or(acc, x, out=acc)
-    if op is ReduceOp.MAX:
-        return torch.maximum(acc, x, out=acc)
-    if op is ReduceOp.MIN:
-        return torch.minimum(acc, x, out=acc)
-    return torch.mul(acc, x, out=acc) if acc.dtype != torch.bool else torch.logical_and(acc, x, out=acc)
+_BY_NAME = {name: ReduceOp[name] for name in ReduceOp.__members__}
+_BY_NAME.update({name.lower(): op for name, op in _BY_NAME.items()})
 
 
 def check_dtype(op: ReduceOp, dtype: torch.dtype, argname: str = "x") -> None:

@@ -42,8 +42,11 @@ class Call(NamedTuple):
 
     @staticmethod
     def of(kind: str, groups: Groups, params: tuple, tensors: Sequence[torch.Tensor]) -> "Call":
-        return Call(kind, groups, params, tuple(tuple(t.shape) for t in tensors),
-                    tuple(t.dtype for t in tensors))
+        if len(tensors) == 1:
+            t = tensors[0]
+            return Call(kind, groups, params, (tuple(t.shape),), (t.dtype,))
+        return Call(kind, groups, params, tuple([tuple(t.shape) for t in tensors]),
+                    tuple([t.dtype for t in tensors]))
 
     def describe(self) -> str:
         if self.kind == "merge_call":

@@ -17,6 +17,7 @@ output is a copy of the same bytes.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Sequence
 
@@ -26,6 +27,7 @@ from ..errors import CollectiveMismatchError
 from ..groups import Groups
 from ..reduce_op import ReduceOp
 from .base import Call, Engine
+from .buffer_pool import BufferPool
 from .rendezvous import Rendezvous
 
 __all__ = ["ThreadsEngine", "DEFAULT_TIMEOUT"]
@@ -55,6 +57,19 @@ def reduce_into(op: ReduceOp, out: torch.Tensor, xs: Sequence[torch.Tensor]) -> 
     return out
 
 
+def reduced(op: ReduceOp, xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A new tensor holding the left-to-right reduction of ``xs`` (as :func:`reduce_into`)."""
+    if len(xs) == 1:
+        out = xs[0].clone(memory_format=torch.contiguous_format)
+    else:
+        out = _FIRST[op if xs[0].dtype != torch.bool else _BOOL_OP[op]](xs[0], xs[1])
+        for x in xs[2:]:
+            _binary(op, out, x, out)
+    if op is ReduceOp.MEAN:
+        out.div_(len(xs))
+    return out
+
+
 def _binary(op: ReduceOp, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     if out.dtype == torch.bool:
         if op is ReduceOp.SUM or op is ReduceOp.MAX:
@@ -69,6 +84,13 @@ def _binary(op: ReduceOp, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -
         torch.minimum(a, b, out=out)
     else:
         torch.mul(a, b, out=out)
+
+
+_FIRST = {ReduceOp.SUM: torch.add, ReduceOp.MEAN: torch.add, ReduceOp.MAX: torch.maximum,
+          ReduceOp.MIN: torch.minimum, ReduceOp.PROD: torch.mul,
+          "or": torch.logical_or, "and": torch.logical_and}
+_BOOL_OP = {ReduceOp.SUM: "or", ReduceOp.MAX: "or", ReduceOp.MEAN: "or", ReduceOp.MIN: "and",
+            ReduceOp.PROD: "and"}
 
 
 class _Plan:
@@ -131,6 +153,10 @@ class ThreadsEngine(Engine):
         self.num_replicas = len(self.devices)
         self.local_replica_ids = tuple(replica_ids) if replica_ids is not None else tuple(range(self.num_replicas))
         self._index = {r: i for i, r in enumerate(self.local_replica_ids)}
+        self._members: dict[Groups, list[list[int]]] = {}
+        self._pool = BufferPool(max_buffers=4 * self.num_replicas)
+        # Every replica on one device (the CPU case): no per-tensor device checks.
+        self._one_device = len(set(self.devices)) == 1
         self.rendezvous = rendezvous or Rendezvous(self.num_replicas, timeout, self.local_replica_ids)
 
     @property
@@ -152,8 +178,9 @@ class ThreadsEngine(Engine):
 
     def execute(self, replica_id: int, call: Call, tensors: list[torch.Tensor],
                 timeout: float | None = None) -> list[torch.Tensor]:
+        # Nothing here calls into torch: on the small-message path only the leader
+        # runs kernels, so the replica threads never fight over the GIL.
         i = self._index[replica_id]
-        tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
         plan = self.rendezvous.exchange(i, call, tensors, self._lead, timeout)
         if not plan.parallel:
             return plan.outputs[i]
@@ -171,11 +198,17 @@ class ThreadsEngine(Engine):
         return self.rendezvous.exchange(self._index[replica_id], call, obj, leader_fn, timeout)
 
     def _lead(self, calls: list[Call], payloads: list[list[torch.Tensor]]) -> _Plan:
-        check_agreement(calls, self.local_replica_ids)
         call = calls[0]
-        nbytes = sum(t.numel() * t.element_size() for t in payloads[0])
+        if calls.count(call) != len(calls):  # the common case needs one C-level comparison
+            check_agreement(calls, self.local_replica_ids)
+        nbytes = sum(math.prod(s) * d.itemsize for s, d in zip(call.shapes, call.dtypes))
         parallel = (self.num_replicas > 1 and nbytes >= PARALLEL_BYTES
                     and all(len(g) > 1 for g in call.groups) and call.kind != "permute")
+        if parallel:
+            for xs in payloads:
+                for t, x in enumerate(xs):
+                    if not x.is_contiguous():
+                        xs[t] = x.contiguous()
         if call.kind == "all_reduce":
             return self._lead_all_reduce(call, payloads, parallel)
         if parallel:
@@ -191,55 +224,73 @@ class ThreadsEngine(Engine):
 
     # ------------------------------------------------------------ all_reduce
 
+    def _sorted_members(self, groups: Groups) -> list[list[int]]:
+        """Local indices of each group's members in ascending replica id (cached)."""
+        members = self._members.get(groups)
+        if members is None:
+            members = [[self._index[r] for r in sorted(g)] for g in groups]
+            self._members[groups] = members
+        return members
+
     def _lead_all_reduce(self, call: Call, payloads: list, parallel: bool) -> _Plan:
         op: ReduceOp = call.params[0]
-        idx = self._index
-        outputs: list[list[torch.Tensor]] = [[None] * len(payloads[0]) for _ in payloads]  # type: ignore[list-item]
         if parallel:
-            for i, xs in enumerate(payloads):
-                outputs[i] = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
+            outputs = [[self._pool.empty(shape, dtype, x.device)
+                        for shape, dtype, x in zip(call.shapes, call.dtypes, xs)] for xs in payloads]
             return _Plan(outputs, True, call, payloads)
-        for g in call.groups:
-            members = [idx[r] for r in sorted(g)]
-            for t in range(len(payloads[0])):
+        outputs: list[Any] = [None] * len(payloads)
+        leaves = range(len(call.shapes))
+        for members in self._sorted_members(call.groups):
+            per_member: list[list[torch.Tensor]] = [[] for _ in members]
+            for t in leaves:
                 xs = [payloads[m][t] for m in members]
-                if any(x.device != xs[0].device for x in xs):
-                    xs = [x.to(xs[0].device) for x in xs]
-                acc = reduce_into(op, torch.empty_like(xs[0]), xs)
-                for k, m in enumerate(members):
+                if self._one_device:
+                    acc = reduced(op, xs)
+                    per_member[0].append(acc)
+                    for outs in per_member[1:]:
+                        outs.append(acc.clone())
+                    continue
+                home = xs[0].device
+                acc = reduced(op, [x.to(home) for x in xs])
+                for outs, m in zip(per_member, members):
                     target = payloads[m][t].device
-                    outputs[m][t] = acc if k == 0 and target == acc.device else acc.to(target, copy=True)
+                    outs.append(acc if not outs and target == home else acc.to(target, copy=True))
+            for m, outs in zip(members, per_member):
+                outputs[m] = outs
         return _Plan(outputs)
 
     def _all_reduce_share(self, plan: _Plan, i: int) -> None:
+        """Member ``j`` of a group reduces the ``j``-th share of every leaf for everyone."""
         call, payloads, outputs = plan.call, plan.payloads, plan.outputs
         op: ReduceOp = call.params[0]
-        rid = self.local_replica_ids[i]
-        for g in call.groups:
-            if rid in g:
-                members = [self._index[r] for r in sorted(g)]
-                break
+        members = next(ms for ms in self._sorted_members(call.groups) if i in ms)
         j, k = members.index(i), len(members)
-        for t in range(len(payloads[i])):
-            xs = [payloads[m][t].view(-1) for m in members]
-            outs = [outputs[m][t].view(-1) for m in members]
-            n = xs[0].numel()
+        for t, shape in enumerate(call.shapes):
+            n = math.prod(shape)
             lo, hi = n * j // k, n * (j + 1) // k
             if hi <= lo:
                 continue
-            if any(x.device != xs[0].device for x in xs) or any(o.device != xs[0].device for o in outs):
-                xs_local = [x[lo:hi].to(outs[0].device) for x in xs]
-                reduce_into(op, outs[0][lo:hi], xs_local)
+            xs = [payloads[m][t].view(-1)[lo:hi] for m in members]
+            outs = [outputs[m][t].view(-1)[lo:hi] for m in members]
+            if not self._one_device:
+                home = outs[0].device
+                reduce_into(op, outs[0], [x.to(home) for x in xs])
                 for o in outs[1:]:
-                    o[lo:hi].copy_(outs[0][lo:hi])
+                    o.copy_(outs[0])
                 continue
-            step = max(1, BLOCK_BYTES // xs[0].element_size())
-            for a in range(lo, hi, step):
-                b = min(hi, a + step)
-                dst = outs[0][a:b]
-                reduce_into(op, dst, [x[a:b] for x in xs])
+            # Block by block, so each block's running result is re-read from cache.
+            step = max(1, BLOCK_BYTES // call.dtypes[t].itemsize)
+            if hi - lo <= step:
+                reduce_into(op, outs[0], xs)
                 for o in outs[1:]:
-                    o[a:b].copy_(dst)
+                    o.copy_(outs[0])
+                continue
+            x_blocks = [x.split(step) for x in xs]
+            o_blocks = [o.split(step) for o in outs]
+            for b, dst in enumerate(o_blocks[0]):
+                reduce_into(op, dst, [xb[b] for xb in x_blocks])
+                for ob in o_blocks[1:]:
+                    ob[b].copy_(dst)
 
     # ------------------------------------------------------------ the rest
 

@@ -8,7 +8,9 @@ instead of letting them wait for a peer that will never arrive.
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from typing import Any, Callable
 
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAborted, replica_error
@@ -16,6 +18,7 @@ from ..errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAbo
 __all__ = ["ReplicaThreads", "raise_first_failure"]
 
 _STOP = object()
+_live: "weakref.WeakSet[ReplicaThreads]" = weakref.WeakSet()
 
 
 def _locked() -> threading.Lock:
@@ -43,6 +46,7 @@ class ReplicaThreads:
         self.busy = False
 
     def _start(self) -> None:
+        _live.add(self)
         for i in range(self.n):
             t = threading.Thread(target=self._loop, args=(i,), name=f"{self._name}-{i}", daemon=True)
             t.start()
@@ -117,12 +121,23 @@ class ReplicaThreads:
         self._done = _locked()
         self._threads = []
 
-    def close(self) -> None:
+    def close(self, join_timeout: float = 1.0) -> None:
+        """Stops the threads (idle ones at once; a busy run is left to finish)."""
         if self._threads and not self.busy:
             self._body = _STOP
             for g in self._go:
                 g.release()
+            for t in self._threads:
+                t.join(join_timeout)
             self._threads = []
+
+
+@atexit.register
+def _close_all() -> None:
+    # Stop idle replica threads before the interpreter (and torch's thread
+    # pools) shut down underneath them.
+    for threads in list(_live):
+        threads.close(join_timeout=0.2)
 
 
 def raise_first_failure(errors: list[tuple[int, BaseException]]) -> None:

@@ -1,0 +1,86 @@
+"""In-process all-reduce: our threads engine vs a naive one-thread reduction.
+
+For each replica count and size, interleaved trials measure side by side:
+  ours    cr.all_reduce inside strategy.run, per call (replica 0's clock)
+  naive   torch.stack(xs).sum(0) in one thread (one output, not N)
+  bound   the memory-traffic bound: every input read once and every output
+          written once is 2 x N x size bytes; at the bandwidth of a
+          preallocated dst.copy_(src) (which reads and writes size bytes)
+          that takes N x t_copy(size). The best of 1 and 2 intra-op threads
+          is used, so the bound is not flattered.
+Ratios: speed-up over naive (naive / ours) and fraction of the bound
+(bound / ours; 100% would be running at copy bandwidth).
+
+    .venv/bin/python benchmarks/allreduce.py            # full table
+    .venv/bin/python benchmarks/allreduce.py --quick    # fewer sizes and trials
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import crossreplica as cr  # noqa: E402
+from _common import fmt_size, fmt_time, median, print_table, timeit  # noqa: E402
+
+SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+
+
+def reps_for(nbytes: int, n: int) -> int:
+    return max(3, min(3000, int(3e7 / (nbytes * n))))
+
+
+def _loop(x: torch.Tensor, reps: int) -> float:
+    cr.all_reduce(x)  # warm-up: first-touch of the output pages
+    return timeit(lambda: cr.all_reduce(x), reps)
+
+
+def copy_time(nbytes: int, reps: int) -> float:
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        dst.copy_(src)
+        best = min(best, timeit(lambda: dst.copy_(src), reps))
+    torch.set_num_threads(1)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--sizes", type=int, nargs="+", default=None, help="bytes per replica")
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    sizes = args.sizes or (SIZES[::2] if args.quick else SIZES)
+    trials = 3 if args.quick else args.trials
+    torch.set_num_threads(1)  # the replicas are the parallelism; the naive baseline is one thread
+    print(f"torch {torch.__version__}, {os.cpu_count()} cores, {trials} interleaved trials, medians\n")
+    rows = []
+    for n in args.replicas:
+        strategy = cr.MirroredStrategy(n)
+        for nbytes in sizes:
+            reps = reps_for(nbytes, n)
+            xs = [torch.randn(nbytes // 4) for _ in range(n)]
+            ours, naive, copy = [], [], []
+            for _ in range(trials):
+                ours.append(strategy.run(_loop, (cr.PerReplica(xs), reps)).values[0])
+                naive.append(timeit(lambda: torch.stack(xs).sum(0), reps))
+                copy.append(copy_time(nbytes, reps))
+            t_ours, t_naive = median(ours), median(naive)
+            t_bound = n * median(copy)
+            rows.append([str(n), fmt_size(nbytes), fmt_time(t_ours), fmt_time(t_naive), fmt_time(t_bound),
+                         f"{t_naive / t_ours:.2f}x", f"{100 * t_bound / t_ours:.0f}%"])
+            print(" | ".join(rows[-1]), flush=True)
+    print()
+    print_table(["replicas", "size", "ours", "naive stack+sum", "traffic bound", "speed-up", "of bound"], rows)
+
+
+if __name__ == "__main__":
+    main()
