@@ -121,14 +121,21 @@ class ReplicaThreads:
         self._done = _locked()
         self._threads = []
 
-    def close(self, join_timeout: float = 1.0) -> None:
-        """Stops the threads (idle ones at once; a busy run is left to finish)."""
+    def close(self, join_timeout: float | None = None) -> None:
+        """Stops the threads (idle ones at once; a busy run is left to finish).
+
+        Called from the strategy's finalizer, which may run on one of these very
+        threads, so joining is optional (interpreter exit joins briefly).
+        """
         if self._threads and not self.busy:
             self._body = _STOP
             for g in self._go:
                 g.release()
-            for t in self._threads:
-                t.join(join_timeout)
+            if join_timeout is not None:
+                me = threading.current_thread()
+                for t in self._threads:
+                    if t is not me:
+                        t.join(join_timeout)
             self._threads = []
 
 
