@@ -68,6 +68,10 @@ class ReplicaThreads:
                     self._on_error(i, e)
                 except BaseException:  # noqa: BLE001
                     pass
+                del e
+            # Drop the body (and the strategy it refers to) before idling, so an
+            # unused strategy can be collected and its finalizer stop these threads.
+            body = None
             with self._lock:
                 if generation != self._generation:
                     return  # abandoned while stuck; a new set of threads took over
