@@ -246,8 +246,10 @@ class _Gather(_Collective):
     def forward(ctx, rctx, kind, groups, params, *xs):  # type: ignore[override]
         outs = _Collective.forward(ctx, rctx, kind, groups, params, *xs)
         k = len(group_of(groups, rctx.replica_id_in_sync_group))
-        per_member = outs[-1].view(k, -1).t().tolist()
-        ctx.sizes = tuple(tuple(s) for s in per_member[:-1])
+        # outs[-1] holds each member's sizes of the user leaves only (the sizes
+        # leaf itself has none): one row per user leaf, one column per member.
+        per_leaf = outs[-1].view(k, -1).t().tolist()
+        ctx.sizes = tuple(tuple(s) for s in per_leaf)
         return outs
 
 

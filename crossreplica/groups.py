@@ -85,6 +85,11 @@ def _canonical(group_assignment: Any, n: int, argname: str) -> Groups:
     rows = _as_list(group_assignment, argname)
     if not rows:
         raise ValueError(f"{argname} must not be empty; got {group_assignment!r}")
+    for i, r in enumerate(rows):
+        if isinstance(r, bool):
+            raise ValueError(
+                f"{argname}[{i}] is the bool {r!r}; group indices and replica ids must be ints, "
+                f"not bools: got {group_assignment!r}")
     if all(_as_int(r) is not None for r in rows):
         return _from_flat([_as_int(r) for r in rows], n, argname, group_assignment)
     groups = []

@@ -42,7 +42,9 @@ class StrategyExtended:
         n = len(self.worker_devices)
         self._threads = ReplicaThreads(n, type(container).__name__) if n > 1 else None
         if self._threads is not None:
-            weakref.finalize(container, self._threads.close)
+            # Not at interpreter exit: waking daemon threads while the interpreter
+            # finalizes makes them die mid-flight (std::terminate, exit code 134).
+            weakref.finalize(container, self._threads.close).atexit = False
 
     @property
     def _container(self) -> "Strategy":
