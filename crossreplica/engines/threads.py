@@ -96,15 +96,14 @@ _BOOL_OP = {ReduceOp.SUM: "or", ReduceOp.MAX: "or", ReduceOp.MEAN: "or", ReduceO
 class _Plan:
     """What the leader hands out: finished outputs, or work for every replica."""
 
-    __slots__ = ("outputs", "parallel", "call", "payloads", "extra")
+    __slots__ = ("outputs", "parallel", "calls", "payloads")
 
-    def __init__(self, outputs: list | None, parallel: bool = False, call: Call | None = None,
-                 payloads: list | None = None, extra: Any = None):
+    def __init__(self, outputs: list | None, parallel: bool = False, calls: list[Call] | None = None,
+                 payloads: list | None = None):
         self.outputs = outputs
         self.parallel = parallel
-        self.call = call
+        self.calls = calls  # parameters agree within a group only: each member uses its own
         self.payloads = payloads
-        self.extra = extra
 
 
 def check_agreement(calls: Sequence[Call], names: Sequence[int], round_no: int | None = None) -> None:
@@ -210,17 +209,18 @@ class ThreadsEngine(Engine):
                     if not x.is_contiguous():
                         xs[t] = x.contiguous()
         if call.kind == "all_reduce":
-            return self._lead_all_reduce(call, payloads, parallel)
+            return self._lead_all_reduce(calls, payloads, parallel)
         if parallel:
-            return _Plan([None] * self.num_replicas, True, call, payloads)
-        outputs = [self._own(call, payloads, i) for i in range(self.num_replicas)]
+            return _Plan([None] * self.num_replicas, True, calls, payloads)
+        outputs = [self._own(calls[i], payloads, i) for i in range(self.num_replicas)]
         return _Plan(outputs)
 
     def _part(self, plan: _Plan, i: int) -> list[torch.Tensor] | None:
-        if plan.call.kind == "all_reduce":
-            self._all_reduce_share(plan, i)
+        call = plan.calls[i]
+        if call.kind == "all_reduce":
+            self._all_reduce_share(call, plan, i)
             return None
-        return self._own(plan.call, plan.payloads, i)
+        return self._own(call, plan.payloads, i)
 
     # ------------------------------------------------------------ all_reduce
 
@@ -232,15 +232,16 @@ class ThreadsEngine(Engine):
             self._members[groups] = members
         return members
 
-    def _lead_all_reduce(self, call: Call, payloads: list, parallel: bool) -> _Plan:
-        op: ReduceOp = call.params[0]
+    def _lead_all_reduce(self, calls: list[Call], payloads: list, parallel: bool) -> _Plan:
+        call = calls[0]
         if parallel:
             outputs = [[self._pool.empty(shape, dtype, x.device)
                         for shape, dtype, x in zip(call.shapes, call.dtypes, xs)] for xs in payloads]
-            return _Plan(outputs, True, call, payloads)
+            return _Plan(outputs, True, calls, payloads)
         outputs: list[Any] = [None] * len(payloads)
         leaves = range(len(call.shapes))
         for members in self._sorted_members(call.groups):
+            op: ReduceOp = calls[members[0]].params[0]
             per_member: list[list[torch.Tensor]] = [[] for _ in members]
             for t in leaves:
                 xs = [payloads[m][t] for m in members]
@@ -259,9 +260,9 @@ class ThreadsEngine(Engine):
                 outputs[m] = outs
         return _Plan(outputs)
 
-    def _all_reduce_share(self, plan: _Plan, i: int) -> None:
+    def _all_reduce_share(self, call: Call, plan: _Plan, i: int) -> None:
         """Member ``j`` of a group reduces the ``j``-th share of every leaf for everyone."""
-        call, payloads, outputs = plan.call, plan.payloads, plan.outputs
+        payloads, outputs = plan.payloads, plan.outputs
         op: ReduceOp = call.params[0]
         members = next(ms for ms in self._sorted_members(call.groups) if i in ms)
         j, k = members.index(i), len(members)
