@@ -513,3 +513,39 @@ def test_non_tensor_leaves_are_type_errors(run_replicas, name, kwargs, leaf):
     x = {"ok": torch.ones(2), "bad": leaf}
     with pytest.raises(TypeError, match=rf"cr\.{api}: every leaf of x must be a torch\.Tensor \(or None\); leaf \d is"):
         run_collective(run_replicas, name, kwargs, [x, x])
+
+
+# ------------------------------------------------------------------ groups that differ from each other
+
+def _per_group_call(plan, x):
+    """Replica function: the members of each group agree, the groups differ."""
+    name, kwargs = plan
+    return getattr(cr, name)(x, **kwargs)
+
+
+@pytest.mark.parametrize("size", [(6,), LARGE], ids=["small", "large"])
+def test_groups_may_use_different_ops(run_replicas, size):
+    groups = [[0, 1], [2, 3]]
+    ops = ["sum", "sum", "max", "max"]
+    xs = make_inputs(4, size, torch.float32, seed=8)
+    outs = run_replicas(_per_group_call, 4, [("all_reduce", {"op": op, "group_assignment": groups}) for op in ops], xs)
+    for r in range(4):
+        g = groups[r // 2]
+        assert_same(outs[r], reference_reduce(ops[r], [xs[m] for m in g]))
+
+
+def test_groups_may_gather_different_sizes(run_replicas):
+    groups = [[0, 1], [2, 3]]
+    xs = [torch.randn(1, 2), torch.randn(1, 2), torch.randn(3, 5), torch.randn(3, 5)]
+    outs = run_replicas(_per_group_call, 4, [("all_gather", {"group_assignment": groups})] * 4, xs)
+    for r in range(4):
+        assert_same(outs[r], torch.cat([xs[m] for m in groups[r // 2]], 0))
+
+
+def test_groups_may_broadcast_from_different_sources(run_replicas):
+    groups = [[0, 1], [2, 3]]
+    plans = [("broadcast", {"source": s, "group_assignment": groups}) for s in (0, 0, 1, 1)]
+    xs = make_inputs(4, LARGE, torch.float32, seed=9)
+    outs = run_replicas(_per_group_call, 4, plans, xs)
+    for r, src in enumerate([0, 0, 3, 3]):
+        assert_same(outs[r], xs[src])

@@ -176,32 +176,35 @@ class ThreadsEngine(Engine):
         nbytes = sum(t.numel() * t.element_size() for t in payloads[0])
         parallel = (self.num_replicas > 1 and nbytes >= PARALLEL_BYTES
                     and all(len(g) > 1 for g in call.groups) and call.kind != "permute")
+        # Calls agree within a group only (ops, dims and gather sizes may differ
+        # between groups): every replica's outputs follow its own call.
         if call.kind == "all_reduce":
-            return self._lead_all_reduce(call, payloads, parallel)
+            return self._lead_all_reduce(calls, payloads, parallel)
         if parallel:
-            return _Plan([None] * self.num_replicas, True, call, payloads)
-        outputs = [self._own(call, payloads, i) for i in range(self.num_replicas)]
+            return _Plan([None] * self.num_replicas, True, call, payloads, calls)
+        outputs = [self._own(calls[i], payloads, i) for i in range(self.num_replicas)]
         return _Plan(outputs)
 
     def _part(self, plan: _Plan, i: int) -> list[torch.Tensor] | None:
         if plan.call.kind == "all_reduce":
             self._all_reduce_share(plan, i)
             return None
-        return self._own(plan.call, plan.payloads, i)
+        return self._own(plan.extra[i], plan.payloads, i)
 
     # ------------------------------------------------------------ all_reduce
 
-    def _lead_all_reduce(self, call: Call, payloads: list, parallel: bool) -> _Plan:
-        op: ReduceOp = call.params[0]
+    def _lead_all_reduce(self, calls: list[Call], payloads: list, parallel: bool) -> _Plan:
+        call = calls[0]
         idx = self._index
-        outputs: list[list[torch.Tensor]] = [[None] * len(payloads[0]) for _ in payloads]  # type: ignore[list-item]
+        outputs: list[list[torch.Tensor]] = [[None] * len(p) for p in payloads]  # type: ignore[list-item]
         if parallel:
             for i, xs in enumerate(payloads):
                 outputs[i] = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
-            return _Plan(outputs, True, call, payloads)
+            return _Plan(outputs, True, call, payloads, calls)
         for g in call.groups:
             members = [idx[r] for r in sorted(g)]
-            for t in range(len(payloads[0])):
+            op: ReduceOp = calls[members[0]].params[0]
+            for t in range(len(payloads[members[0]])):
                 xs = [payloads[m][t] for m in members]
                 if any(x.device != xs[0].device for x in xs):
                     xs = [x.to(xs[0].device) for x in xs]
@@ -213,7 +216,7 @@ class ThreadsEngine(Engine):
 
     def _all_reduce_share(self, plan: _Plan, i: int) -> None:
         call, payloads, outputs = plan.call, plan.payloads, plan.outputs
-        op: ReduceOp = call.params[0]
+        op: ReduceOp = plan.extra[i].params[0]
         rid = self.local_replica_ids[i]
         for g in call.groups:
             if rid in g:
