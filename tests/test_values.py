@@ -230,7 +230,7 @@ def _replica_nests(draw):
     return [template] + [draw(same_structure(template, leaves)) for _ in range(n - 1)]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(_replica_nests(), st.booleans())
 def test_select_replica_inverts_regroup(values, always_wrap):
     grouped = cr.regroup(values, always_wrap=always_wrap)
