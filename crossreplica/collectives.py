@@ -311,9 +311,15 @@ def collective_permute(x: Any, source_target_pairs: Sequence[Sequence[int]]) -> 
     return _repack(leaves, spec, where, _execute(rctx, "permute", all_ids, (pairs,), tensors))
 
 
+def _replica_index(v: Any) -> int:
+    if isinstance(v, bool):  # operator.index accepts bools; a replica id is never one
+        raise TypeError(f"a replica id must be an int, not a bool: {v!r}")
+    return operator.index(v)
+
+
 def _canonical_pairs(pairs: Any, n: int) -> tuple[tuple[int, int], ...]:
     try:
-        out = [(operator.index(s), operator.index(t)) for s, t in pairs]
+        out = [(_replica_index(s), _replica_index(t)) for s, t in pairs]
     except (TypeError, ValueError):
         raise ValueError(
             f"source_target_pairs must be a list of (source, target) replica id pairs, e.g. "

@@ -495,6 +495,9 @@ BAD_ARGS = [
      r"source_target_pairs must be a list of \(source, target\) replica id pairs"),
     ("collective_permute", {"source_target_pairs": [(0, 1, 2)]}, (2,), ValueError,
      r"source_target_pairs must be a list of \(source, target\) replica id pairs"),
+    ("collective_permute", {"source_target_pairs": [(True, 0)]}, (2,), ValueError,
+     r"source_target_pairs must be a list of \(source, target\) replica id pairs, e\.g\. \[\[0, 1\], \[1, 0\]\]; "
+     r"got \[\(True, 0\)\]"),
     ("all_reduce", {"op": "sum", "group_assignment": [[0, 1, 2]]}, (2,), ValueError,
      r"group_assignment names replica 2, outside 0\.\.1"),
 ]
