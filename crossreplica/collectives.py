@@ -293,11 +293,15 @@ def broadcast(x: Any, source: int = 0, group_assignment: Any = None) -> Any:
     rctx = require_replica_context("cr.broadcast")
     groups = _groups(rctx, group_assignment)
     k = len(groups[0])
-    if isinstance(source, bool) or not isinstance(source, int) or not 0 <= source < k:
+    try:
+        src = _replica_index(source)  # numpy and torch integers too, as group assignments accept
+    except TypeError:
+        src = -1
+    if not 0 <= src < k:
         raise ValueError(
             f"cr.broadcast: source must be a position in the group, an int in [0, {k}); got {source!r}")
     leaves, spec, where, tensors = _tensor_leaves(x, "cr.broadcast")
-    return _repack(leaves, spec, where, _execute(rctx, "broadcast", groups, (source,), tensors))
+    return _repack(leaves, spec, where, _execute(rctx, "broadcast", groups, (src,), tensors))
 
 
 def collective_permute(x: Any, source_target_pairs: Sequence[Sequence[int]]) -> Any:

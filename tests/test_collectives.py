@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -558,3 +560,16 @@ def test_groups_may_broadcast_from_different_sources(run_replicas):
     outs = run_replicas(_per_group_call, 4, plans, xs)
     for r, src in enumerate([0, 0, 3, 3]):
         assert_same(outs[r], xs[src])
+
+
+@pytest.mark.parametrize("source", [np.int64(1), torch.tensor(1)], ids=["numpy", "torch"])
+def test_broadcast_source_accepts_integer_types(run_replicas, source):
+    xs = make_inputs(2, (3,), torch.float32)
+    outs = run_collective(run_replicas, "broadcast", {"source": source}, xs)
+    assert all(torch.equal(o, xs[1]) for o in outs)
+
+
+@pytest.mark.parametrize("source", ["1", 1.0, None])
+def test_broadcast_source_rejects_non_integers(run_replicas, source):
+    with pytest.raises(ValueError, match=rf"cr\.broadcast: source must be a position in the group, an int in \[0, 2\); got {re.escape(repr(source))}"):
+        run_collective(run_replicas, "broadcast", {"source": source}, [torch.ones(2)] * 2)
