@@ -156,3 +156,24 @@ def test_stuck_replica_outside_collectives_is_abandoned():
     assert time.monotonic() - start < 2.9
     out = strategy.run(lambda: cr.all_reduce(torch.ones(2)))
     assert all(torch.equal(v, torch.full((2,), 2.0)) for v in out.values)
+
+
+def test_abandoned_replica_returning_later_does_not_disturb_the_next_run():
+    strategy = cr.MirroredStrategy(num_replicas=2, timeout_seconds=0.3)
+
+    def first(x):
+        if cr.replica_id() == 1:
+            raise RuntimeError("replica 1 fails")
+        time.sleep(2.0)  # outlives the run (1 s poll + 0.3 s grace): abandoned, returns during the next run
+        return x
+
+    def second():
+        time.sleep(1.0)  # the abandoned replica returns while this run is under way
+        return cr.all_reduce(torch.ones(1))
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"replica 1 raised RuntimeError"):
+        strategy.run(first, args=(torch.ones(1),))
+    out = strategy.run(second)
+    assert all(torch.equal(v, torch.full((1,), 2.0)) for v in out.values)
+    assert time.monotonic() - start < 6

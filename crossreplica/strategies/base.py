@@ -68,6 +68,10 @@ class StrategyExtended:
         """Runs ``fn`` once per local replica; returns the results in local order."""
         strategy, engine = self._container, self.engine
         ids, devices = self.local_replica_ids, self.worker_devices
+        # A replica abandoned by an earlier failed run may return later; it must
+        # not report to this run's engine (it would look like a replica that
+        # returned early, or abort this run).
+        self._run_token = token = object()
         engine.begin_run()
 
         def body(i: int) -> Any:
@@ -82,8 +86,13 @@ class StrategyExtended:
                     out = fn(*a, **kw)
             finally:
                 context.pop()
-            engine.finish(ids[i])
+            if self._run_token is token:
+                engine.finish(ids[i])
             return out
+
+        def on_error(i: int, e: BaseException) -> None:
+            if self._run_token is token:
+                engine.abort(ids[i], e)
 
         if self._threads is None:
             try:
@@ -92,7 +101,7 @@ class StrategyExtended:
                 engine.abort(ids[0], e)
                 from .replica_threads import raise_first_failure
                 raise_first_failure([(0, e)])
-        return self._threads.run(body, lambda i, e: engine.abort(ids[i], e), self.timeout)
+        return self._threads.run(body, on_error, self.timeout)
 
     def merge_call(self, rctx: ReplicaContext, merge_fn: Callable[..., Any], args: tuple,
                    kwargs: dict) -> Any:
