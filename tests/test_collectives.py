@@ -573,3 +573,44 @@ def test_broadcast_source_accepts_integer_types(run_replicas, source):
 def test_broadcast_source_rejects_non_integers(run_replicas, source):
     with pytest.raises(ValueError, match=rf"cr\.broadcast: source must be a position in the group, an int in \[0, 2\); got {re.escape(repr(source))}"):
         run_collective(run_replicas, "broadcast", {"source": source}, [torch.ones(2)] * 2)
+
+
+# ------------------------------------------------------------------ outputs are fresh tensors
+
+def _scribble(name, kwargs, x):
+    """Overwrites the collective's output in place; returns what every replica then holds."""
+    y = getattr(cr, name)(x, **kwargs)
+    y.fill_(float(cr.replica_id()))
+    cr.all_reduce(torch.zeros(1))  # every replica has scribbled before anyone returns
+    return y
+
+
+ALIAS_CASES = [("all_reduce", {}), ("all_reduce", {"group_assignment": [[0], [1], [2], [3]]}),
+               ("all_gather", {}), ("reduce_scatter", {}), ("all_to_all", {"split_dim": 0, "concat_dim": 0}),
+               ("broadcast", {"source": 1}), ("collective_permute", {"source_target_pairs": [(0, 1), (1, 0), (2, 2)]})]
+
+
+@pytest.mark.parametrize("name, kwargs", ALIAS_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(ALIAS_CASES)])
+@pytest.mark.parametrize("size", [SMALL, LARGE], ids=["small", "large"])
+def test_outputs_alias_neither_inputs_nor_each_other(run_replicas, name, kwargs, size):
+    xs = make_inputs(4, size, torch.float32, seed=10)
+    originals = [x.clone() for x in xs]
+    outs = run_replicas(_scribble, 4, [name] * 4, [kwargs] * 4, xs)
+    for r in range(4):
+        assert torch.equal(xs[r], originals[r])
+        assert torch.equal(outs[r], torch.full_like(outs[r], float(r)))
+
+
+@pytest.mark.parametrize("name, kwargs, ref", [
+    ("all_reduce", {}, lambda xs, r: reference_reduce("sum", xs)),
+    ("all_gather", {"dim": 1}, lambda xs, r: torch.cat(xs, 1)),
+    ("reduce_scatter", {"dim": 0}, lambda xs, r: reference_reduce("sum", xs).chunk(4, 0)[r]),
+    ("broadcast", {"source": 3}, lambda xs, r: xs[3]),
+])
+@pytest.mark.parametrize("size", [(124, 8), (25_000, 8)], ids=["small", "large"])
+def test_non_contiguous_inputs(run_replicas, name, kwargs, ref, size):
+    xs = [x.t() for x in make_inputs(4, size, torch.float32, seed=11)]  # transposed views
+    assert not xs[0].is_contiguous()
+    outs = run_collective(run_replicas, name, kwargs, xs)
+    for r in range(4):
+        assert_same(outs[r], ref(xs, r))
