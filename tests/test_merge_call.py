@@ -137,3 +137,34 @@ def test_merge_call_single_replica_strategy():
     out = strategy.run(lambda x: cr.get_replica_context().merge_call(lambda s, v: v * 2, args=(x,)),
                        args=(torch.tensor(3),))
     assert torch.equal(out, torch.tensor(6))
+
+
+def test_raising_replica_releases_a_replica_waiting_in_merge_call():
+    strategy = cr.MirroredStrategy(num_replicas=3)  # default timeout: only a release ends this fast
+
+    def fn():
+        if cr.replica_id() == 2:
+            raise ValueError("replica 2 fails before merging")
+        return cr.get_replica_context().merge_call(lambda s: 1)
+
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"replica 2 raised ValueError: replica 2 fails before merging") as info:
+        strategy.run(fn)
+    assert time.monotonic() - start < 3
+    assert info.value.replica_id == 2
+    assert strategy.run(lambda: cr.get_replica_context().merge_call(lambda s: 7)) == 7
+
+
+def test_replica_missing_from_merge_call_times_out():
+    strategy = cr.MirroredStrategy(num_replicas=2, timeout_seconds=0.3)
+
+    def fn():
+        if cr.replica_id() == 1:
+            time.sleep(1.0)
+            return None
+        return cr.get_replica_context().merge_call(lambda s: 1)
+
+    start = time.monotonic()
+    with pytest.raises(cr.CollectiveTimeoutError, match=r"merge_call\(\) timed out after 0\.3s: replicas \[1\] never arrived"):
+        strategy.run(fn)
+    assert time.monotonic() - start < 4
