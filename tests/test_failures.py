@@ -54,6 +54,15 @@ MISMATCHES = [
      [r"replica 0: all_reduce\(", r"replica 1: all_gather\(dim=\[0"]),
     ("kind", [("broadcast", {})], [("reduce_scatter", {})], (4,), (4,), torch.float32, torch.float32,
      [r"replica 0: broadcast\(source=0", r"replica 1: reduce_scatter\(op=sum, dim=\[0\]"]),
+    ("source", [("broadcast", {"source": 0})], [("broadcast", {"source": 1})], (4,), (4,), torch.float32, torch.float32,
+     [r"replica 0: broadcast\(source=0", r"replica 1: broadcast\(source=1"]),
+    ("pairs", [("collective_permute", {"source_target_pairs": [(0, 1)]})],
+     [("collective_permute", {"source_target_pairs": [(1, 0)]})], (4,), (4,), torch.float32, torch.float32,
+     [r"replica 0: permute\(pairs=\[\[0, 1\]\]", r"replica 1: permute\(pairs=\[\[1, 0\]\]"]),
+    ("gather-dim", [("all_gather", {"dim": 0})], [("all_gather", {"dim": 1})], (2, 2), (2, 2), torch.float32,
+     torch.float32, [r"replica 0: all_gather\(dim=\[0", r"replica 1: all_gather\(dim=\[1"]),
+    ("gather-other-dim-size", [("all_gather", {"dim": 0})], [("all_gather", {"dim": 0})], (2, 3), (2, 4),
+     torch.float32, torch.float32, [r"replica 0: all_gather\(.*shapes=\[\[2, 3\]", r"replica 1: all_gather\(.*shapes=\[\[2, 4\]"]),
 ]
 
 
