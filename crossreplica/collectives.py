@@ -69,6 +69,7 @@ def _repack(leaves: list, spec: Any, where: list[int], outs: Sequence[torch.Tens
 
 def _raw(rctx: ReplicaContext, kind: str, groups: Groups, params: tuple,
          tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    rctx.check_current(f"cr.{kind}")
     call = Call.of(kind, groups, params, tensors)
     return rctx.engine.execute(rctx.replica_id_in_sync_group, call, tensors)
 

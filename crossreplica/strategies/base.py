@@ -75,7 +75,7 @@ class StrategyExtended:
         engine.begin_run()
 
         def body(i: int) -> Any:
-            rctx = ReplicaContext(strategy, ids[i], i, engine)
+            rctx = ReplicaContext(strategy, ids[i], i, engine, run=token)
             a, kw = select_replica(i, args), select_replica(i, kwargs)
             context.push(strategy, rctx)
             try:
@@ -107,6 +107,7 @@ class StrategyExtended:
                    kwargs: dict) -> Any:
         """Pauses the local replicas, runs ``merge_fn`` once in cross-replica context."""
         strategy = self._container
+        rctx.check_current("merge_call")
 
         def lead(calls: list, payloads: list) -> Any:
             merge_args = regroup(tuple(p[1] for p in payloads))
