@@ -22,7 +22,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import nest
-from .context import ReplicaContext, require_replica_context
+from .context import ReplicaContext, get_replica_context, require_replica_context
 from .engines.base import Call
 from .groups import Groups, Mesh, contiguous_groups, group_of, resolve_groups
 from .reduce_op import ReduceOp, check_dtype
@@ -69,7 +69,13 @@ def _repack(leaves: list, spec: Any, where: list[int], outs: Sequence[torch.Tens
 
 def _raw(rctx: ReplicaContext, kind: str, groups: Groups, params: tuple,
          tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    rctx.check_current(f"cr.{kind}")
+    # The context of the executing thread, not ``rctx``: a backward pass may run
+    # in a later run with the forward's context (fine), while a replica thread
+    # abandoned by a failed run still holds its old one (rejected). Autograd's
+    # device threads hold none.
+    current = get_replica_context()
+    if current is not None:
+        current.check_current(f"cr.{kind}")
     call = Call.of(kind, groups, params, tensors)
     return rctx.engine.execute(rctx.replica_id_in_sync_group, call, tensors)
 
