@@ -168,3 +168,20 @@ def test_replica_missing_from_merge_call_times_out():
     with pytest.raises(cr.CollectiveTimeoutError, match=r"merge_call\(\) timed out after 0\.3s: replicas \[1\] never arrived"):
         strategy.run(fn)
     assert time.monotonic() - start < 4
+
+
+@pytest.mark.parametrize("merging_replica_arrives", ["first", "last"])
+def test_merge_call_against_collective_in_either_arrival_order(merging_replica_arrives):
+    strategy = cr.MirroredStrategy(num_replicas=2, timeout_seconds=20)
+    delay = {"first": (0.0, 0.2), "last": (0.2, 0.0)}[merging_replica_arrives]
+
+    def fn():
+        time.sleep(delay[cr.replica_id()])
+        if cr.replica_id() == 0:
+            return cr.get_replica_context().merge_call(lambda s, *a: "merged")
+        return cr.all_reduce(torch.ones(1))
+
+    start = time.monotonic()
+    with pytest.raises(cr.CollectiveMismatchError, match=r"(?s)replica 0: merge_call\(\).*replica 1: all_reduce\("):
+        strategy.run(fn)
+    assert time.monotonic() - start < 3

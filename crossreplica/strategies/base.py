@@ -19,7 +19,7 @@ import torch
 from .. import context, nest
 from ..context import ReplicaContext
 from ..engines.base import Call, Engine
-from ..engines.threads import reduce_into
+from ..engines.threads import check_agreement, reduce_into
 from ..errors import ReplicaContextError, replica_error
 from ..reduce_op import ReduceOp, check_dtype, reduce_non_distributed_value
 from ..values import DistributedValues, regroup, select_replica
@@ -110,6 +110,8 @@ class StrategyExtended:
         rctx.check_current("merge_call")
 
         def lead(calls: list, payloads: list) -> Any:
+            # the last to arrive leads: every other replica must be in merge_call too
+            check_agreement(calls, self.local_replica_ids)
             merge_args = regroup(tuple(p[1] for p in payloads))
             merge_kwargs = regroup(tuple(p[2] for p in payloads))
             with context.frame(strategy, None):
