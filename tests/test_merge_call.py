@@ -185,3 +185,19 @@ def test_merge_call_against_collective_in_either_arrival_order(merging_replica_a
     with pytest.raises(cr.CollectiveMismatchError, match=r"(?s)replica 0: merge_call\(\).*replica 1: all_reduce\("):
         strategy.run(fn)
     assert time.monotonic() - start < 3
+
+
+@pytest.mark.parametrize("make", [lambda: cr.MirroredStrategy(num_replicas=2), cr.OneDeviceStrategy],
+                         ids=["mirrored", "one_device"])
+def test_run_from_merge_fn_is_an_immediate_error(make):
+    strategy = make()  # default timeout (300 s): only an immediate error ends this fast
+
+    def fn():
+        return cr.get_replica_context().merge_call(lambda s: s.run(lambda: 1))
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"strategy\.run was called while a run of the same strategy is in "
+                                           r"progress \(from a replica function or merge_fn\)"):
+        strategy.run(fn)
+    assert time.monotonic() - start < 3
+    assert strategy.run(lambda: 2) == 2

@@ -40,6 +40,7 @@ class StrategyExtended:
         self.engine = engine
         self.cross_device_ops = cross_device_ops
         n = len(self.worker_devices)
+        self._running = False
         self._threads = ReplicaThreads(n, type(container).__name__) if n > 1 else None
         if self._threads is not None:
             # Not at interpreter exit: waking daemon threads while the interpreter
@@ -66,6 +67,20 @@ class StrategyExtended:
 
     def call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[Any]:
         """Runs ``fn`` once per local replica; returns the results in local order."""
+        # Checked before anything is reset: a run started from merge_fn would re-arm
+        # the engine under the replicas waiting in merge_call (they would wait out
+        # the whole timeout).
+        if self._running:
+            raise RuntimeError(
+                "strategy.run was called while a run of the same strategy is in progress (from a "
+                "replica function or merge_fn); call it from the main program only")
+        self._running = True
+        try:
+            return self._call_for_each_replica(fn, args, kwargs)
+        finally:
+            self._running = False
+
+    def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[Any]:
         strategy, engine = self._container, self.engine
         ids, devices = self.local_replica_ids, self.worker_devices
         # A replica abandoned by an earlier failed run may return later; it must
