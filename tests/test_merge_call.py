@@ -201,3 +201,16 @@ def test_run_from_merge_fn_is_an_immediate_error(make):
         strategy.run(fn)
     assert time.monotonic() - start < 3
     assert strategy.run(lambda: 2) == 2
+
+
+def test_collective_inside_merge_fn_is_a_replica_context_error():
+    strategy = cr.MirroredStrategy(num_replicas=2)
+
+    def fn():
+        return cr.get_replica_context().merge_call(lambda s: cr.all_reduce(torch.ones(1)))
+
+    start = time.monotonic()
+    with pytest.raises(cr.ReplicaContextError, match=r"cr\.all_reduce must be called inside a replica function, but was "
+                                                     r"called in cross-replica context \(strategy\.scope\(\) or merge_fn\)"):
+        strategy.run(fn)
+    assert time.monotonic() - start < 3
