@@ -237,6 +237,7 @@ class Strategy:
         replica, so uneven per-replica batches give the exact global mean.
         """
         self._require_cross_replica("reduce")
+        self._check_distributed(("value", value))
         op = ReduceOp.from_any(reduce_op, "reduce_op")
         if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int)):
             raise TypeError(f"axis must be an int or None; got {axis!r}")
@@ -268,6 +269,7 @@ class Strategy:
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenates every replica's value along ``axis`` (replica order)."""
         self._require_cross_replica("gather")
+        self._check_distributed(("value", value))
         if isinstance(axis, bool) or not isinstance(axis, int):
             raise TypeError(f"axis must be an int; got {axis!r}")
 
