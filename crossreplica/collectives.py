@@ -22,7 +22,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import nest
-from .context import ReplicaContext, require_replica_context
+from .context import ReplicaContext, get_replica_context, require_replica_context
 from .engines.base import Call
 from .groups import Groups, Mesh, contiguous_groups, group_of, resolve_groups
 from .reduce_op import ReduceOp, check_dtype
@@ -74,6 +74,13 @@ def _repack(leaves: list, spec: Any, where: list[int], outs: Sequence[torch.Tens
 
 def _raw(rctx: ReplicaContext, kind: str, groups: Groups, params: tuple,
          tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    # The context of the executing thread, not ``rctx``: a backward pass may run
+    # in a later run with the forward's context (fine), while a replica thread
+    # abandoned by a failed run still holds its old one (rejected). Autograd's
+    # device threads hold none.
+    current = get_replica_context()
+    if current is not None:
+        current.check_current(f"cr.{kind}")
     call = Call.of(kind, groups, params, tensors)
     return rctx.engine.execute(rctx.replica_id_in_sync_group, call, tensors)
 
@@ -305,11 +312,15 @@ def broadcast(x: Any, source: int = 0, group_assignment: Any = None) -> Any:
     rctx = require_replica_context("cr.broadcast")
     groups = _groups(rctx, group_assignment)
     k = len(groups[0])
-    if isinstance(source, bool) or not isinstance(source, int) or not 0 <= source < k:
+    try:
+        src = _replica_index(source)  # numpy and torch integers too, as group assignments accept
+    except TypeError:
+        src = -1
+    if not 0 <= src < k:
         raise ValueError(
             f"cr.broadcast: source must be a position in the group, an int in [0, {k}); got {source!r}")
     leaves, spec, where, tensors = _tensor_leaves(x, "cr.broadcast")
-    return _repack(leaves, spec, where, _execute(rctx, "broadcast", groups, (source,), tensors))
+    return _repack(leaves, spec, where, _execute(rctx, "broadcast", groups, (src,), tensors))
 
 
 def collective_permute(x: Any, source_target_pairs: Sequence[Sequence[int]]) -> Any:
@@ -323,9 +334,15 @@ def collective_permute(x: Any, source_target_pairs: Sequence[Sequence[int]]) -> 
     return _repack(leaves, spec, where, _execute(rctx, "permute", all_ids, (pairs,), tensors))
 
 
+def _replica_index(v: Any) -> int:
+    if isinstance(v, bool):  # operator.index accepts bools; a replica id is never one
+        raise TypeError(f"a replica id must be an int, not a bool: {v!r}")
+    return operator.index(v)
+
+
 def _canonical_pairs(pairs: Any, n: int) -> tuple[tuple[int, int], ...]:
     try:
-        out = [(operator.index(s), operator.index(t)) for s, t in pairs]
+        out = [(_replica_index(s), _replica_index(t)) for s, t in pairs]
     except (TypeError, ValueError):
         raise ValueError(
             f"source_target_pairs must be a list of (source, target) replica id pairs, e.g. "

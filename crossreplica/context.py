@@ -110,13 +110,26 @@ def require_replica_context(api: str) -> "ReplicaContext":
 class ReplicaContext:
     """What a replica function knows about itself and its peers."""
 
-    __slots__ = ("_strategy", "_replica_id", "_local_index", "_engine")
+    __slots__ = ("_strategy", "_replica_id", "_local_index", "_engine", "_run")
 
-    def __init__(self, strategy: "Strategy", replica_id: int, local_index: int, engine: "Engine"):
+    def __init__(self, strategy: "Strategy", replica_id: int, local_index: int, engine: "Engine",
+                 run: object = None):
         self._strategy = strategy
         self._replica_id = replica_id
         self._local_index = local_index
         self._engine = engine
+        self._run = run  # the run this context belongs to (StrategyExtended's run token)
+
+    def check_current(self, api: str) -> None:
+        """Raises if this replica's run was abandoned (a later run is under way).
+
+        A replica left behind by a failed run must not join the collectives of
+        the next run in its seat."""
+        if self._run is not None and getattr(self._strategy.extended, "_run_token", None) is not self._run:
+            from .errors import ReplicaAborted
+            raise ReplicaAborted(
+                f"{api} was called by replica {self._replica_id} of a run that already failed and "
+                f"was abandoned; it does not take part in later runs")
 
     @property
     def strategy(self) -> "Strategy":

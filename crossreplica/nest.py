@@ -14,15 +14,18 @@ import collections
 from collections import abc
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-__all__ = ["is_container", "children", "rebuild", "flatten", "unflatten", "map_structure", "path_str"]
+__all__ = ["is_container", "is_namedtuple", "children", "rebuild", "flatten", "unflatten", "map_structure", "path_str"]
 
 
 def is_container(x: Any) -> bool:
     return isinstance(x, (tuple, list, abc.Mapping))
 
 
-def _is_namedtuple(x: Any) -> bool:
+def is_namedtuple(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(x, "_fields") and hasattr(x, "_make")
+
+
+_is_namedtuple = is_namedtuple
 
 
 def children(x: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:

@@ -81,7 +81,9 @@ def _regroup(values: tuple, wrap_class: type, always_wrap: bool, path: tuple) ->
         kind = abc.Mapping if isinstance(v0, abc.Mapping) else (tuple if isinstance(v0, tuple) else list)
         keys, _ = nest.children(v0)
         for r, v in enumerate(values[1:], start=1):
-            if not isinstance(v, kind):
+            # namedtuples are records: a different class is a different structure
+            if not isinstance(v, kind) or (kind is tuple and type(v) is not type(v0) and (
+                    nest.is_namedtuple(v0) or nest.is_namedtuple(v))):
                 raise ValueError(
                     f"regroup: replicas disagree in structure at {nest.path_str(path)}: replica 0 has "
                     f"{type(v0).__name__}, replica {r} has {type(v).__name__}")

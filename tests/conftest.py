@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import RUNNERS
+from harness import RUNNERS, STARTUP_SECONDS
 
 # Adding an engine to the whole suite: add its name here and its runner to
 # harness.RUNNERS. Engines other than "threads" spawn processes and are
@@ -31,3 +31,9 @@ def run_replicas(engine):
     returned in replica-id order.
     """
     return RUNNERS[engine]
+
+
+@pytest.fixture
+def time_bound(engine):
+    """``time_bound(seconds)``: a wall-clock bound for one run_replicas call on this engine."""
+    return lambda seconds: seconds + STARTUP_SECONDS.get(engine, 30.0)

@@ -67,3 +67,7 @@ def run_threads(fn: Callable[..., Any], num_replicas: int, *per_replica_args: Se
 
 
 RUNNERS: dict[str, Callable[..., list[Any]]] = {"threads": run_threads}
+
+# Seconds an engine needs to start its replicas (processes: the launcher and
+# process-group set-up); time bounds in failure tests are added to it.
+STARTUP_SECONDS: dict[str, float] = {"threads": 0.0}

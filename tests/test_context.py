@@ -117,7 +117,7 @@ def test_cross_replica_apis_inside_a_replica_function(api, call):
 
 def test_context_stack_is_clean_after_a_failing_run():
     strategy = cr.MirroredStrategy(num_replicas=2)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"replica \d raised ValueError: x"):
         strategy.run(lambda: (_ for _ in ()).throw(ValueError("x")))
     assert not cr.has_strategy()
     # the replica threads' own stacks are clean too: the next run sees one frame

@@ -269,3 +269,14 @@ def test_canonical_groups_partition_the_replicas(case):
         assert groups == tuple(tuple(g) for g in ga)
     else:
         assert groups == _flat_reference(ga)
+
+
+@pytest.mark.parametrize("axes, groups", [(None, [[0, 1, 2, 3, 4, 5]]), ("model", [[0, 1, 2], [3, 4, 5]]),
+                                          (["data"], [[0, 3], [1, 4], [2, 5]])])
+def test_mesh_reduction_in_collective(run_replicas, axes, groups):
+    mesh = cr.Mesh({"data": 2, "model": 3})
+    xs = [torch.tensor([float(2 ** r)]) for r in range(6)]  # every subset has a distinct sum
+    outs = run_replicas(_mesh_reduce, 6, xs, [mesh] * 6, [axes] * 6)
+    for g in groups:
+        for r in g:
+            assert torch.equal(outs[r], sum(xs[m] for m in g))

@@ -137,3 +137,80 @@ def test_merge_call_single_replica_strategy():
     out = strategy.run(lambda x: cr.get_replica_context().merge_call(lambda s, v: v * 2, args=(x,)),
                        args=(torch.tensor(3),))
     assert torch.equal(out, torch.tensor(6))
+
+
+def test_raising_replica_releases_a_replica_waiting_in_merge_call():
+    strategy = cr.MirroredStrategy(num_replicas=3)  # default timeout: only a release ends this fast
+
+    def fn():
+        if cr.replica_id() == 2:
+            raise ValueError("replica 2 fails before merging")
+        return cr.get_replica_context().merge_call(lambda s: 1)
+
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"replica 2 raised ValueError: replica 2 fails before merging") as info:
+        strategy.run(fn)
+    assert time.monotonic() - start < 3
+    assert info.value.replica_id == 2
+    assert strategy.run(lambda: cr.get_replica_context().merge_call(lambda s: 7)) == 7
+
+
+def test_replica_missing_from_merge_call_times_out():
+    strategy = cr.MirroredStrategy(num_replicas=2, timeout_seconds=0.3)
+
+    def fn():
+        if cr.replica_id() == 1:
+            time.sleep(1.0)
+            return None
+        return cr.get_replica_context().merge_call(lambda s: 1)
+
+    start = time.monotonic()
+    with pytest.raises(cr.CollectiveTimeoutError, match=r"merge_call\(\) timed out after 0\.3s: replicas \[1\] never arrived"):
+        strategy.run(fn)
+    assert time.monotonic() - start < 4
+
+
+@pytest.mark.parametrize("merging_replica_arrives", ["first", "last"])
+def test_merge_call_against_collective_in_either_arrival_order(merging_replica_arrives):
+    strategy = cr.MirroredStrategy(num_replicas=2, timeout_seconds=20)
+    delay = {"first": (0.0, 0.2), "last": (0.2, 0.0)}[merging_replica_arrives]
+
+    def fn():
+        time.sleep(delay[cr.replica_id()])
+        if cr.replica_id() == 0:
+            return cr.get_replica_context().merge_call(lambda s, *a: "merged")
+        return cr.all_reduce(torch.ones(1))
+
+    start = time.monotonic()
+    with pytest.raises(cr.CollectiveMismatchError, match=r"(?s)replica 0: merge_call\(\).*replica 1: all_reduce\("):
+        strategy.run(fn)
+    assert time.monotonic() - start < 3
+
+
+@pytest.mark.parametrize("make", [lambda: cr.MirroredStrategy(num_replicas=2), cr.OneDeviceStrategy],
+                         ids=["mirrored", "one_device"])
+def test_run_from_merge_fn_is_an_immediate_error(make):
+    strategy = make()  # default timeout (300 s): only an immediate error ends this fast
+
+    def fn():
+        return cr.get_replica_context().merge_call(lambda s: s.run(lambda: 1))
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"strategy\.run was called while a run of the same strategy is in "
+                                           r"progress \(from a replica function or merge_fn\)"):
+        strategy.run(fn)
+    assert time.monotonic() - start < 3
+    assert strategy.run(lambda: 2) == 2
+
+
+def test_collective_inside_merge_fn_is_a_replica_context_error():
+    strategy = cr.MirroredStrategy(num_replicas=2)
+
+    def fn():
+        return cr.get_replica_context().merge_call(lambda s: cr.all_reduce(torch.ones(1)))
+
+    start = time.monotonic()
+    with pytest.raises(cr.ReplicaContextError, match=r"cr\.all_reduce must be called inside a replica function, but was "
+                                                     r"called in cross-replica context \(strategy\.scope\(\) or merge_fn\)"):
+        strategy.run(fn)
+    assert time.monotonic() - start < 3

@@ -26,10 +26,9 @@ def _reduce_in_replica(x):
     return cr.all_reduce(x, op="avg")
 
 
-def test_unknown_op_in_collective_is_value_error():
-    strategy = cr.MirroredStrategy(num_replicas=2)
-    with pytest.raises(ValueError, match=r"one of SUM, MEAN, MAX, MIN, PROD \(any case\); got 'avg'"):
-        strategy.run(_reduce_in_replica, args=(torch.ones(2),))
+def test_unknown_op_in_collective_is_value_error(run_replicas):
+    with pytest.raises(ValueError, match=r"op must be a cr\.ReduceOp or one of SUM, MEAN, MAX, MIN, PROD \(any case\); got 'avg'"):
+        run_replicas(_reduce_in_replica, 2, [torch.ones(2)] * 2)
 
 
 def test_strategy_reduce_names_reduce_op_argument():

@@ -262,3 +262,12 @@ def test_cuda_device_without_cuda():
 def test_one_device_bad_device():
     with pytest.raises(ValueError, match=r"device must be a device such as 'cpu', 'cuda:0' or a torch\.device; got 'bogus'"):
         cr.OneDeviceStrategy("bogus")
+
+
+@pytest.mark.parametrize("api", ["reduce", "gather"])
+def test_cross_replica_apis_reject_per_replica_of_wrong_length(api):
+    strategy = cr.MirroredStrategy(num_replicas=2)
+    value = {"x": cr.PerReplica([torch.ones(1)] * 3)}
+    call = (lambda: strategy.reduce("sum", value)) if api == "reduce" else (lambda: strategy.gather(value, 0))
+    with pytest.raises(ValueError, match=r"value holds a PerReplica with 3 values, but MirroredStrategy has 2 local replicas"):
+        call()

@@ -177,6 +177,8 @@ def test_regroup_wrap_class_mirrored():
     ([{"a": (1, [2])}, {"a": (1, 5)}, {"a": (1, [3])}], r"at \['a'\]\[1\]: replica 0 has list, replica 1 has int"),
     ([[1], [2], 3], r"at <root>: replica 0 has list, replica 2 has int"),
     ([(1,), {"a": 1}], r"at <root>: replica 0 has tuple, replica 1 has dict"),
+    ([{"p": Point(1, 2)}, {"p": (1, 2)}], r"at \['p'\]: replica 0 has Point, replica 1 has tuple"),
+    ([(1, 2), Point(1, 2)], r"at <root>: replica 0 has tuple, replica 1 has Point"),
 ])
 def test_regroup_structure_mismatch_says_where(values, match):
     with pytest.raises(ValueError, match=match):
@@ -230,7 +232,7 @@ def _replica_nests(draw):
     return [template] + [draw(same_structure(template, leaves)) for _ in range(n - 1)]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(_replica_nests(), st.booleans())
 def test_select_replica_inverts_regroup(values, always_wrap):
     grouped = cr.regroup(values, always_wrap=always_wrap)

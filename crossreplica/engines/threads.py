@@ -208,6 +208,8 @@ class ThreadsEngine(Engine):
                 for t, x in enumerate(xs):
                     if not x.is_contiguous():
                         xs[t] = x.contiguous()
+        # Calls agree within a group only (ops, dims and gather sizes may differ
+        # between groups): every replica's outputs follow its own call.
         if call.kind == "all_reduce":
             return self._lead_all_reduce(calls, payloads, parallel)
         if parallel:

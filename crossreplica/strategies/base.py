@@ -19,7 +19,7 @@ import torch
 from .. import context, nest
 from ..context import ReplicaContext
 from ..engines.base import Call, Engine
-from ..engines.threads import reduce_into
+from ..engines.threads import check_agreement, reduce_into
 from ..errors import ReplicaContextError, replica_error
 from ..reduce_op import ReduceOp, check_dtype, reduce_non_distributed_value
 from ..values import DistributedValues, regroup, select_replica
@@ -40,6 +40,7 @@ class StrategyExtended:
         self.engine = engine
         self.cross_device_ops = cross_device_ops
         n = len(self.worker_devices)
+        self._running = False
         self._threads = ReplicaThreads(n, type(container).__name__) if n > 1 else None
         if self._threads is not None:
             # Not at interpreter exit: waking daemon threads while the interpreter
@@ -66,12 +67,30 @@ class StrategyExtended:
 
     def call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[Any]:
         """Runs ``fn`` once per local replica; returns the results in local order."""
+        # Checked before anything is reset: a run started from merge_fn would re-arm
+        # the engine under the replicas waiting in merge_call (they would wait out
+        # the whole timeout).
+        if self._running:
+            raise RuntimeError(
+                "strategy.run was called while a run of the same strategy is in progress (from a "
+                "replica function or merge_fn); call it from the main program only")
+        self._running = True
+        try:
+            return self._call_for_each_replica(fn, args, kwargs)
+        finally:
+            self._running = False
+
+    def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[Any]:
         strategy, engine = self._container, self.engine
         ids, devices = self.local_replica_ids, self.worker_devices
+        # A replica abandoned by an earlier failed run may return later; it must
+        # not report to this run's engine (it would look like a replica that
+        # returned early, or abort this run).
+        self._run_token = token = object()
         engine.begin_run()
 
         def body(i: int) -> Any:
-            rctx = ReplicaContext(strategy, ids[i], i, engine)
+            rctx = ReplicaContext(strategy, ids[i], i, engine, run=token)
             a, kw = select_replica(i, args), select_replica(i, kwargs)
             context.push(strategy, rctx)
             try:
@@ -82,8 +101,13 @@ class StrategyExtended:
                     out = fn(*a, **kw)
             finally:
                 context.pop()
-            engine.finish(ids[i])
+            if self._run_token is token:
+                engine.finish(ids[i])
             return out
+
+        def on_error(i: int, e: BaseException) -> None:
+            if self._run_token is token:
+                engine.abort(ids[i], e)
 
         if self._threads is None:
             try:
@@ -92,14 +116,17 @@ class StrategyExtended:
                 engine.abort(ids[0], e)
                 from .replica_threads import raise_first_failure
                 raise_first_failure([(0, e)])
-        return self._threads.run(body, lambda i, e: engine.abort(ids[i], e), self.timeout)
+        return self._threads.run(body, on_error, self.timeout)
 
     def merge_call(self, rctx: ReplicaContext, merge_fn: Callable[..., Any], args: tuple,
                    kwargs: dict) -> Any:
         """Pauses the local replicas, runs ``merge_fn`` once in cross-replica context."""
         strategy = self._container
+        rctx.check_current("merge_call")
 
         def lead(calls: list, payloads: list) -> Any:
+            # the last to arrive leads: every other replica must be in merge_call too
+            check_agreement(calls, self.local_replica_ids)
             merge_args = regroup(tuple(p[1] for p in payloads))
             merge_kwargs = regroup(tuple(p[2] for p in payloads))
             with context.frame(strategy, None):
@@ -210,6 +237,7 @@ class Strategy:
         replica, so uneven per-replica batches give the exact global mean.
         """
         self._require_cross_replica("reduce")
+        self._check_distributed(("value", value))
         op = ReduceOp.from_any(reduce_op, "reduce_op")
         if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int)):
             raise TypeError(f"axis must be an int or None; got {axis!r}")
@@ -241,6 +269,7 @@ class Strategy:
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenates every replica's value along ``axis`` (replica order)."""
         self._require_cross_replica("gather")
+        self._check_distributed(("value", value))
         if isinstance(axis, bool) or not isinstance(axis, int):
             raise TypeError(f"axis must be an int; got {axis!r}")
 

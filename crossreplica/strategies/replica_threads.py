@@ -60,18 +60,26 @@ class ReplicaThreads:
             if body is _STOP or generation != self._generation:
                 return
             try:
-                self._results[i] = body(i)
+                result = body(i)
             except BaseException as e:  # noqa: BLE001 - reported to the caller of run
                 with self._lock:
+                    if generation != self._generation:
+                        return  # abandoned: a later run must not see this failure
                     self._errors.append((i, e))
+                    on_error = self._on_error
                 try:
-                    self._on_error(i, e)
+                    on_error(i, e)
                 except BaseException:  # noqa: BLE001
                     pass
                 del e
-            # Drop the body (and the strategy it refers to) before idling, so an
-            # unused strategy can be collected and its finalizer stop these threads.
-            body = None
+            else:
+                with self._lock:
+                    if generation != self._generation:
+                        return  # abandoned: a later run must not see this result
+                    self._results[i] = result
+            # Drop the body and result (and the strategy they refer to) before idling,
+            # so an unused strategy can be collected and its finalizer stop these threads.
+            body = result = None
             with self._lock:
                 if generation != self._generation:
                     return  # abandoned while stuck; a new set of threads took over
