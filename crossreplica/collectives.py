@@ -235,7 +235,7 @@ class _Gather(_Collective):
         outs = _Collective.forward(ctx, rctx, kind, groups, params, *xs)
         k = len(group_of(groups, rctx.replica_id_in_sync_group))
         per_member = outs[-1].view(k, -1).t().tolist()
-        ctx.sizes = tuple(tuple(s) for s in per_member[:-1])
+        ctx.sizes = tuple(tuple(s) for s in per_member)  # one row per user leaf
         return outs
 
 
