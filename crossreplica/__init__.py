@@ -14,7 +14,7 @@ from .errors import (CollectiveMismatchError, CollectiveTimeoutError, ReplicaCon
                      ReplicaError)
 from .groups import Mesh, canonical_groups, contiguous_groups, strided_groups
 from .reduce_op import ReduceOp
-from .strategies import MirroredStrategy, OneDeviceStrategy, Strategy
+from .strategies import MirroredStrategy, MultiWorkerMirroredStrategy, OneDeviceStrategy, Strategy
 from .values import (DistributedValues, Mirrored, PerReplica, regroup, select_replica,
                      select_replica_mirrored)
 
@@ -27,7 +27,7 @@ __all__ = [
     "Mesh", "canonical_groups", "contiguous_groups", "strided_groups",
     "ReplicaContext", "get_strategy", "has_strategy", "in_cross_replica_context", "get_replica_context",
     "ReplicaContextError", "CollectiveMismatchError", "CollectiveTimeoutError", "ReplicaError",
-    "Strategy", "OneDeviceStrategy", "MirroredStrategy",
+    "Strategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy",
     "all_reduce", "cross_replica_sum", "cross_replica_mean", "cross_replica_average", "all_gather",
     "reduce_scatter", "all_to_all", "broadcast", "collective_permute", "replica_id", "num_replicas",
 ]

@@ -60,6 +60,13 @@ class StrategyExtended:
     def timeout(self) -> float:
         return getattr(self.engine, "timeout", 300.0)
 
+    @property
+    def always_wrap(self) -> bool:
+        """Whether run/merge_call wrap every per-replica leaf, even with one local replica or
+        when the local replicas hold the same object: true across processes, where a local
+        value is only one of several."""
+        return False
+
     # ------------------------------------------------------------ replica execution
 
     def call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[Any]:
@@ -98,8 +105,8 @@ class StrategyExtended:
         strategy = self._container
 
         def lead(calls: list, payloads: list) -> Any:
-            merge_args = regroup(tuple(p[1] for p in payloads))
-            merge_kwargs = regroup(tuple(p[2] for p in payloads))
+            merge_args = regroup(tuple(p[1] for p in payloads), always_wrap=self.always_wrap)
+            merge_kwargs = regroup(tuple(p[2] for p in payloads), always_wrap=self.always_wrap)
             with context.frame(strategy, None):
                 return payloads[0][0](strategy, *merge_args, **merge_kwargs)
 
@@ -119,6 +126,11 @@ class StrategyExtended:
         """Concatenates one tensor per local replica over all replicas in sync."""
         device = tensors[0].device
         return torch.cat([t.to(device) for t in tensors], axis)
+
+    def broadcast_values(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Replica 0's tensor, given one tensor per local replica (multi-process
+        strategies return global replica 0's, for ``mirror`` and checkpoints)."""
+        return tensors[0]
 
 
 class Strategy:
@@ -170,7 +182,7 @@ class Strategy:
         self._check_distributed(("args", args), ("kwargs", kwargs))
         with self.scope():
             results = self.extended.call_for_each_replica(fn, args, kwargs)
-        return regroup(results)
+        return regroup(results, always_wrap=self.extended.always_wrap)
 
     def _check_distributed(self, *named: tuple[str, Any]) -> None:
         n = len(self.extended.worker_devices)
