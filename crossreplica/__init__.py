@@ -5,6 +5,7 @@ on N processes or on many hosts, with the same numbers.
 """
 
 from . import errors
+from .checkpoint import load, save
 from .collectives import (all_gather, all_reduce, all_to_all, broadcast, collective_permute,
                           cross_replica_average, cross_replica_mean, cross_replica_sum, num_replicas,
                           reduce_scatter, replica_id)
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "errors",
+    "save", "load",
     "ReduceOp",
     "DistributedValues", "PerReplica", "Mirrored", "regroup", "select_replica", "select_replica_mirrored",
     "Mesh", "canonical_groups", "contiguous_groups", "strided_groups",

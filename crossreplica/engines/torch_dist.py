@@ -65,16 +65,9 @@ _FINISHED = Call("finished", (), ())
 _engine_serial = itertools.count()
 
 
-class WorkerFailedError(CrossReplicaError):
-    """The connection to another worker broke during a collective (it died or aborted).
-
-    Attributes:
-        missing: replica ids of the workers that are presumed gone, when known.
-    """
-
-    def __init__(self, message: str, missing: tuple[int, ...] = ()):
-        super().__init__(message)
-        self.missing = tuple(missing)
+class WorkerFailedError(CollectiveTimeoutError):
+    """The connection to another worker broke during a collective: it died, so its
+    replicas will never arrive (``missing`` holds their ids, when known)."""
 
 
 def _dist_op(op: ReduceOp, dtype: torch.dtype) -> Any:
@@ -179,8 +172,7 @@ class TorchDistEngine(Engine):
 
     def abort(self, replica_id: int, exc: BaseException) -> None:
         """Tells every other worker (through the store) that this one failed."""
-        if isinstance(exc, (ReplicaAborted, WorkerFailedError, CollectiveTimeoutError,
-                            CollectiveMismatchError)):
+        if isinstance(exc, (ReplicaAborted, CollectiveTimeoutError, CollectiveMismatchError)):
             return  # a consequence of another failure, already known everywhere
         message = (f"worker rank {self.rank} (replicas {list(self.local_replica_ids)}): replica "
                    f"{replica_id} raised {type(exc).__name__}: {exc}")
@@ -230,7 +222,7 @@ class TorchDistEngine(Engine):
             if kind == "permute":
                 return self._permute(call, payloads)
             raise ValueError(f"unknown collective kind {kind!r}")
-        except (CollectiveMismatchError, CollectiveTimeoutError, WorkerFailedError, ReplicaAborted) as e:
+        except (CollectiveMismatchError, CollectiveTimeoutError, ReplicaAborted) as e:
             self._broken = e
             raise
         except RuntimeError as e:  # a backend error: the process group can no longer be trusted
@@ -705,6 +697,7 @@ class TorchDistEngine(Engine):
         who = (f"worker ranks {missing} (replicas {list(replicas)}) did not reach it and are presumed "
                f"dead" if missing else "the failing worker is unknown")
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first.split(". ")[0]  # the backend's advice that follows is not ours to give
         return WorkerFailedError(
             f"collective {self._where} failed on worker rank {self.rank}: the connection to another "
             f"worker broke ({first}); {who}", replicas)

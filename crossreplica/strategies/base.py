@@ -20,7 +20,7 @@ from .. import context, nest
 from ..context import ReplicaContext
 from ..engines.base import Call, Engine
 from ..engines.threads import reduce_into
-from ..errors import ReplicaContextError, replica_error
+from ..errors import ReplicaContextError, ReplicaError, replica_error
 from ..reduce_op import ReduceOp, check_dtype, reduce_non_distributed_value
 from ..values import DistributedValues, regroup, select_replica
 from .replica_threads import ReplicaThreads
@@ -96,8 +96,14 @@ class StrategyExtended:
             except Exception as e:
                 engine.abort(ids[0], e)
                 from .replica_threads import raise_first_failure
-                raise_first_failure([(0, e)])
-        return self._threads.run(body, lambda i, e: engine.abort(ids[i], e), self.timeout)
+                raise_first_failure([(ids[0], e)])
+        try:
+            return self._threads.run(body, lambda i, e: engine.abort(ids[i], e), self.timeout)
+        except ReplicaError as e:
+            if ids[e.replica_id] == e.replica_id:
+                raise
+            # ReplicaThreads numbers replicas locally; report the global replica id
+            raise replica_error(ids[e.replica_id], e.original) from e.original
 
     def merge_call(self, rctx: ReplicaContext, merge_fn: Callable[..., Any], args: tuple,
                    kwargs: dict) -> Any:

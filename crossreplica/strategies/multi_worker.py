@@ -199,7 +199,19 @@ class MultiWorkerMirroredStrategy(Strategy):
                 f"MASTER_PORT yourself)")
         if not 0 <= rank < world:
             raise ValueError(f"RANK={rank} must be in [0, WORLD_SIZE={world})")
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=td)
+        port = _env_int("MASTER_PORT")
+        if not 0 < port < 65536:
+            raise ValueError(f"MASTER_PORT={port} must be a TCP port in 1..65535")
+        # torchrun's agent keeps one store across restarts; keys of a previous attempt (gloo's
+        # listening addresses among them) would be read as current, so each attempt gets a prefix.
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], port, world_size=world,
+                              is_master=(rank == 0 and not agent_store), timeout=td,
+                              wait_for_workers=False)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        store = dist.PrefixStore(f"crossreplica/{run_id}/attempt{attempt}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=td)
         return True
 
     def close(self) -> None:
