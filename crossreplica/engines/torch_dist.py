@@ -146,6 +146,7 @@ class TorchDistEngine(Engine):
         self._count = 0  # cross-process collectives so far (same on every worker: SPMD)
         self._run = 0
         self._broken: BaseException | None = None
+        self._current: tuple[Any, int] = ("no collective yet", 0)
 
     @staticmethod
     def _default_store() -> Any:
@@ -201,7 +202,7 @@ class TorchDistEngine(Engine):
             raise self._broken_error()
         self._count += 1
         call = calls[0]
-        self._where = f"{call.describe()} (cross-process call #{self._count})"
+        self._current = (call, self._count)  # described only if something goes wrong
         try:
             if self.check_collectives:
                 self._check_signatures(calls)
@@ -235,7 +236,7 @@ class TorchDistEngine(Engine):
         if self._broken is not None:
             raise self._broken_error()
         self._count += 1
-        self._where = f"{what} (cross-process call #{self._count})"
+        self._current = (what, self._count)
         try:
             self._wait(dist.all_reduce(torch.zeros(1, device=self.comm_device), async_op=True),
                        range(self.world_size))
@@ -243,6 +244,12 @@ class TorchDistEngine(Engine):
             if isinstance(e, CrossReplicaError):
                 raise
             raise self._lost(e) from e
+
+    @property
+    def _where(self) -> str:
+        what, count = self._current
+        what = what.describe() if isinstance(what, Call) else what
+        return f"{what} (cross-process call #{count})"
 
     def _broken_error(self) -> BaseException:
         b = self._broken
