@@ -20,6 +20,8 @@ from harness_processes import run_processes, run_workers
 pytestmark = pytest.mark.multiprocess
 
 LAYOUTS = [pytest.param((2, 1), id="2x1"), pytest.param((4, 2), id="2x2")]
+# the 2x2 collective run also has check_collectives on: checking must not change any result
+CHECKED_LAYOUTS = [pytest.param((2, 1, False), id="2x1"), pytest.param((4, 2, True), id="2x2-checked")]
 
 
 def _inputs(n: int) -> dict[str, list]:
@@ -89,12 +91,12 @@ def _check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         assert torch.equal(got, want), f"{what}: {got} != {want}"
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", CHECKED_LAYOUTS)
 def test_collectives_match_plain_torch(layout):
-    n, rpw = layout
+    n, rpw, check = layout
     inp = _inputs(n)
     res = run_processes(collective_suite, n, inp["x"], inp["xi"], inp["xb"], inp["ragged"],
-                        replicas_per_worker=rpw, timeout=150)
+                        replicas_per_worker=rpw, timeout=150, check_collectives=check)
     x, xi, xb, rag = inp["x"], inp["xi"], inp["xb"], inp["ragged"]
     strided = [list(range(s, n, 2)) for s in range(2)]
     contig = [list(range(s, s + 2)) for s in range(0, n, 2)]

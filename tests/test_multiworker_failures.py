@@ -96,3 +96,21 @@ def test_mismatched_shapes_with_checking(n, rpw):
             assert f"replica {r}: all_reduce(op=sum, groups=[[0, 1, 2, 3]], shapes=[{shape}]" in msg, msg
         assert "cross-process call #2" in msg
         assert err["elapsed"] < COLLECTIVE_TIMEOUT / 2
+
+
+def fewer_calls_on_rank1(x: torch.Tensor) -> torch.Tensor:
+    y = cr.all_reduce(x, "sum")
+    if cr.replica_id() == 1:
+        return y  # returns while replica 0 makes one more collective
+    return cr.all_gather(y, 0)
+
+
+def test_different_number_of_calls_with_checking():
+    out = launch(fewer_calls_on_rank1, 2, [torch.ones(2)] * 2, launcher="direct", timeout=90,
+                 collective_timeout=COLLECTIVE_TIMEOUT, check_collectives=True)
+    assert set(out.errors) == {0, 1}, out.log[-3000:]
+    for err in out.errors.values():
+        assert "CollectiveMismatchError" in err["mro"], err
+        assert "replica 0: all_gather(dim=[0, 0]" in err["message"], err["message"]
+        assert "replica 1: <returned from the replica function>" in err["message"], err["message"]
+        assert err["elapsed"] < COLLECTIVE_TIMEOUT / 2
