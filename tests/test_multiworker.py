@@ -170,6 +170,12 @@ def strategy_main(strategy: cr.Strategy) -> dict:
         "chief": strategy.extended.is_chief,
         "bcast": strategy.extended.broadcast_values([torch.tensor([rank * 10.0 + i]) for i in range(len(local))]).item(),
     }
+    # every worker starts from the chief's weights, whatever its own initialisation
+    torch.manual_seed(rank)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    copies = strategy.extended.broadcast_initial_state(
+        cr.Mirrored(tuple(model if i == 0 else __import__("copy").deepcopy(model) for i in range(len(local)))))
+    out["weights"] = [[t.clone() for t in m.state_dict().values()] for m in copies.values]
     strategy.extended.barrier()
     return out
 
@@ -191,3 +197,9 @@ def test_strategy_api_across_workers(layout):
         assert out["gather"] == [r for r in range(n) for _ in range(r + 1)]
         assert out["chief"] == (w == 0)
         assert out["bcast"] == 0.0
+    torch.manual_seed(0)
+    chief = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    for out in res:
+        for copy in out["weights"]:
+            for got, want in zip(copy, chief.state_dict().values()):
+                assert torch.equal(got, want)

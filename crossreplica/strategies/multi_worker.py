@@ -50,6 +50,18 @@ def _truthy(raw: str | None) -> bool:
     return raw is not None and raw.strip().lower() in ("1", "true", "yes", "on")
 
 
+def _state_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors of a module (parameters, then buffers), tensor or nest, in a fixed order."""
+    if isinstance(obj, torch.nn.Module):
+        return [p.data for p in obj.parameters()] + [b for b in obj.buffers()]
+    if isinstance(obj, torch.Tensor):
+        return [obj.data]
+    if isinstance(obj, (list, tuple, dict)):
+        items = obj.values() if isinstance(obj, dict) else obj
+        return [t for item in items for t in _state_tensors(item)]
+    return []
+
+
 class MultiWorkerExtended(StrategyExtended):
     """Cross-process versions of the cross-replica hooks, plus worker facts."""
 
@@ -99,6 +111,39 @@ class MultiWorkerExtended(StrategyExtended):
         xs = list(tensors)
         calls = [Call.of("broadcast", self._world(), (0,), [x]) for x in xs]
         return self.engine.process(calls, [[x] for x in xs])[0][0]
+
+    def broadcast_initial_state(self, mirrored: Any) -> Any:
+        """Overwrites every local copy in ``mirrored`` (a Mirrored of modules, tensors or
+        nests of them) with global replica 0's values, in place; returns ``mirrored``.
+
+        The hook ``Strategy.mirror`` calls, so every worker starts from the chief's
+        initial weights whatever its own random initialisation was."""
+        if self.engine.world_size == 1:
+            return mirrored
+        per_copy = [_state_tensors(copy) for copy in mirrored.values]
+        counts = {len(ts) for ts in per_copy}
+        if len(counts) != 1:
+            raise ValueError(f"the local copies of a Mirrored value differ in structure ({sorted(counts)} "
+                             f"tensors); build it with strategy.mirror")
+        if not per_copy[0]:
+            return mirrored
+        calls = [Call.of("broadcast", self._world(), (0,), ts) for ts in per_copy]
+        outs = self.engine.process(calls, per_copy)
+        with torch.no_grad():
+            for ts, news in zip(per_copy, outs):
+                for t, new in zip(ts, news):
+                    t.copy_(new)
+        return mirrored
+
+    @property
+    def num_input_pipelines(self) -> int:
+        """One input pipeline per worker process."""
+        return self.engine.world_size
+
+    @property
+    def input_pipeline_id(self) -> int:
+        """This worker's pipeline: its rank."""
+        return self.engine.rank
 
     def barrier(self, what: str = "barrier") -> None:
         """Every worker waits here for the others (bounded by the timeout)."""
