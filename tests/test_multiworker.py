@@ -67,6 +67,12 @@ def collective_suite(x: torch.Tensor, xi: torch.Tensor, xb: torch.Tensor, ragged
     z = ragged.clone().requires_grad_()
     (cr.all_gather(z, 0) * (rid + 1)).sum().backward()
     out["grad_gather"] = z.grad
+    # parameters that differ between groups: uneven sizes per group, a group-dependent source
+    rev = [[3, 1], [2, 0]] if n == 4 else [[1, 0]]
+    z2 = ragged.clone().requires_grad_()
+    (cr.all_gather(z2, 0, rev) * (rid + 1)).sum().backward()
+    out["grad_gather_rev"] = z2.grad
+    out["bcast_src"] = cr.broadcast(xi, rid % 2 if n == 4 else 0, [list(range(s, n, 2)) for s in range(2)])
     # merge_call: merge_fn runs per worker, strategy.reduce crosses processes
     rctx = cr.get_replica_context()
     out["merge"] = rctx.merge_call(lambda s, v: s.reduce("sum", v), args=(x,))
@@ -135,6 +141,10 @@ def test_collectives_match_plain_torch(layout):
         _check(out["perm_rev"], xi[n - 1 - r], "permute reversed")
         _check(out["grad_sum"], torch.full_like(x[r], n * (n + 1) / 2), "grad of all_reduce")
         _check(out["grad_gather"], torch.full_like(rag[r], n * (n + 1) / 2), "grad of ragged all_gather")
+        rev = [[3, 1], [2, 0]] if n == 4 else [[1, 0]]
+        _check(out["grad_gather_rev"], torch.full_like(rag[r], float(sum(q + 1 for q in group(rev, r)))),
+               "grad of ragged all_gather, sizes differing per group")
+        _check(out["bcast_src"], xi[gs[r % 2 if n == 4 else 0]], "broadcast, source differing per group")
         _check(out["merge"], _red("sum", x), "merge_call + strategy.reduce")
         mesh_groups = cr.Mesh({"data": n // 2, "model": 2}).group_assignment(("data",))
         _check(out["mesh"], _red("sum", [x[q] for q in group(mesh_groups, r)]), "mesh axes")

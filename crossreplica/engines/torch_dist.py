@@ -147,6 +147,7 @@ class TorchDistEngine(Engine):
         self._run = 0
         self._broken: BaseException | None = None
         self._current: tuple[Any, int] = ("no collective yet", 0)
+        self._params: dict[int, tuple] = {}
 
     @staticmethod
     def _default_store() -> Any:
@@ -209,9 +210,12 @@ class TorchDistEngine(Engine):
             if call.kind == "finished":
                 return [[]]
             payloads = [[t if t.is_contiguous() else t.contiguous() for t in p] for p in payloads]
+            # Parameters agree within a group but may differ between groups (an uneven
+            # all_gather's sizes, a group-dependent broadcast source): look them up per group.
+            self._params = {r: c.params for r, c in zip(self.local_replica_ids, calls)}
             kind = call.kind
             if kind == "all_reduce":
-                return self._all_reduce(call.groups, call.params[0], payloads)
+                return self._all_reduce(call.groups, payloads)
             if kind == "reduce_scatter":
                 return self._reduce_scatter(call, payloads)
             if kind == "all_gather":
@@ -291,15 +295,16 @@ class TorchDistEngine(Engine):
 
     # ------------------------------------------------------------ all_reduce
 
-    def _all_reduce(self, groups: Groups, op: ReduceOp, payloads: Sequence[list[torch.Tensor]]
+    def _all_reduce(self, groups: Groups, payloads: Sequence[list[torch.Tensor]]
                     ) -> list[list[torch.Tensor]]:
+        """All-reduce (the op is ``params[0]`` of each group's call, as for reduce_scatter)."""
         idx = self._index
         n_leaves = len(payloads[0])
         outs: list[list[Any]] = [[None] * n_leaves for _ in payloads]
-        local_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
         for ws, entries in self._by_worker_set(self._plan(groups)).items():
             if len(ws) == 1:
                 for g, _, _, local in entries:
+                    op = self._params[local[0]][0]
                     for t in range(n_leaves):
                         xs = [payloads[idx[r]][t] for r in local]
                         acc = reduce_into(op, torch.empty_like(xs[0], memory_format=torch.contiguous_format),
@@ -309,7 +314,9 @@ class TorchDistEngine(Engine):
             pg = entries[0][2]
             # partial[(entry, leaf)] reduced over the local members, on the comm device
             partials: dict[tuple[int, int], torch.Tensor] = {}
+            ops = [self._params[entry[3][0]][0] for entry in entries]
             for e, (g, _, _, local) in enumerate(entries):
+                local_op = ReduceOp.SUM if ops[e] is ReduceOp.MEAN else ops[e]
                 for t in range(n_leaves):
                     xs = [payloads[idx[r]][t] for r in local]
                     if len(xs) == 1:  # our own copy: the collective works in place
@@ -318,10 +325,10 @@ class TorchDistEngine(Engine):
                         xs = [x.to(self.comm_device) for x in xs]
                         p = reduce_into(local_op, torch.empty_like(xs[0], memory_format=torch.contiguous_format), xs)
                     partials[(e, t)] = p
-            by_dtype: dict[torch.dtype, list[tuple[int, int]]] = {}
+            buckets: dict[tuple[torch.dtype, ReduceOp], list[tuple[int, int]]] = {}
             for key, p in partials.items():
-                by_dtype.setdefault(p.dtype, []).append(key)
-            for dtype, keys in by_dtype.items():
+                buckets.setdefault((p.dtype, ops[key[0]]), []).append(key)
+            for (dtype, op), keys in buckets.items():
                 reduced = self._all_reduce_buffer([partials[k] for k in keys], op, dtype, pg, ws)
                 for (e, t), r in zip(keys, reduced):
                     g, _, _, local = entries[e]
@@ -374,10 +381,10 @@ class TorchDistEngine(Engine):
     # ------------------------------------------------------------ reduce_scatter
 
     def _reduce_scatter(self, call: Call, payloads: Sequence[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-        op, dims, sizes = call.params
-        full = self._all_reduce(call.groups, op, payloads)
+        full = self._all_reduce(call.groups, payloads)
         outs: list[list[torch.Tensor]] = []
         for i, rid in enumerate(self.local_replica_ids):
+            _, dims, sizes = self._params[rid]
             group = next(g for g in call.groups if rid in g)
             pos, k = group.index(rid), len(group)
             row = []
@@ -395,7 +402,6 @@ class TorchDistEngine(Engine):
     # ------------------------------------------------------------ all_gather
 
     def _all_gather(self, call: Call, payloads: Sequence[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-        dims = call.params[0]
         idx, R = self._index, self.replicas_per_worker
         n_leaves = len(payloads[0])
         parts: dict[int, list[torch.Tensor]] = {}  # replica id -> its leaves, for every member we learn of
@@ -409,11 +415,13 @@ class TorchDistEngine(Engine):
             # what each worker of ws contributes: its members of every group, in group order
             owned = {w: [r for g, *_ in entries for r in g if r // R == w] for w in ws}
             refs = {r: payloads[idx[entry[3][0]]] for entry in entries for r in entry[0]}
+            gdims = {r: self._params[entry[3][0]][0] for entry in entries for r in entry[0]}
             mine = owned[self.rank]
             meta_len = max(len(v) for v in owned.values()) * n_leaves
             meta = torch.zeros(meta_len, dtype=torch.int64)
             meta[:len(mine) * n_leaves] = torch.tensor(
-                [payloads[idx[r]][t].shape[dims[t]] for r in mine for t in range(n_leaves)], dtype=torch.int64)
+                [payloads[idx[r]][t].shape[gdims[r][t]] for r in mine for t in range(n_leaves)],
+                dtype=torch.int64)
             metas = self._gather_fixed(meta.to(self.comm_device), pg, ws).cpu().view(len(ws), -1)
             specs: dict[int, list] = {}
             for wi, w in enumerate(ws):
@@ -425,7 +433,7 @@ class TorchDistEngine(Engine):
                     for t in range(n_leaves):
                         ref = refs[r][t]
                         shape = list(ref.shape)
-                        shape[dims[t]] = sizes[j * n_leaves + t]
+                        shape[gdims[r][t]] = sizes[j * n_leaves + t]
                         row.append((tuple(shape), ref.dtype))
                     specs[r] = row
             send = _pack([x for r in mine for x in payloads[idx[r]]], self.comm_device)
@@ -451,7 +459,7 @@ class TorchDistEngine(Engine):
         outs: list[list[torch.Tensor]] = []
         for i, rid in enumerate(self.local_replica_ids):
             group = next(g for g in call.groups if rid in g)
-            dev = self.devices[i]
+            dev, dims = self.devices[i], self._params[rid][0]
             outs.append([torch.cat([parts[r][t].to(dev) for r in group], dims[t]) for t in range(n_leaves)])
         return outs
 
@@ -464,14 +472,13 @@ class TorchDistEngine(Engine):
     # ------------------------------------------------------------ broadcast
 
     def _broadcast(self, call: Call, payloads: Sequence[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-        source = call.params[0]
         idx, R = self._index, self.replicas_per_worker
         n_leaves = len(payloads[0])
         outs: list[list[Any]] = [[None] * n_leaves for _ in payloads]
         for g, ws, pg, local in self._plan(call.groups):
             if not local:
                 continue
-            src = g[source]
+            src = g[self._params[local[0]][0]]
             if src // R == self.rank:
                 for t in range(n_leaves):
                     self._hand_out(outs, t, local, payloads[idx[src]][t], fresh=False)
@@ -479,7 +486,8 @@ class TorchDistEngine(Engine):
         keys: dict[tuple[tuple[int, ...], int], list] = {}
         for g, ws, pg, local in self._plan(call.groups):
             if local and len(ws) > 1:
-                keys.setdefault((ws, g[source] // R), []).append((g, pg, local, g[source]))
+                src = g[self._params[local[0]][0]]
+                keys.setdefault((ws, src // R), []).append((g, pg, local, src))
         for (ws, src_worker), entries in keys.items():
             pg = entries[0][1]
             specs = [(tuple(x.shape), x.dtype) for _, _, local, _ in entries for x in payloads[idx[local[0]]]]
@@ -524,13 +532,12 @@ class TorchDistEngine(Engine):
         return {w: _unpack(inbox[w], recvs[w])[0] for w in recvs}
 
     def _all_to_all(self, call: Call, payloads: Sequence[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-        split_dims, concat_dims = call.params
         idx, R = self._index, self.replicas_per_worker
         n_leaves = len(payloads[0])
 
-        def chunk(x: torch.Tensor, t: int, j: int, k: int) -> torch.Tensor:
-            c = x.shape[split_dims[t]] // k
-            return x.narrow(split_dims[t], j * c, c)
+        def chunk(x: torch.Tensor, split_dim: int, j: int, k: int) -> torch.Tensor:
+            c = x.shape[split_dim] // k
+            return x.narrow(split_dim, j * c, c)
 
         sends: dict[int, list[torch.Tensor]] = {}
         recvs: dict[int, list] = {}
@@ -540,15 +547,16 @@ class TorchDistEngine(Engine):
                 continue
             k = len(g)
             ref = payloads[idx[local[0]]]
+            sds = self._params[local[0]][0]
             for s in g:
                 for q in g:
                     sw, qw = s // R, q // R
                     if sw == self.rank and qw != self.rank:
                         sends.setdefault(qw, []).extend(
-                            chunk(payloads[idx[s]][t], t, g.index(q), k) for t in range(n_leaves))
+                            chunk(payloads[idx[s]][t], sds[t], g.index(q), k) for t in range(n_leaves))
                     elif qw == self.rank and sw != self.rank:
                         recvs.setdefault(sw, []).extend(
-                            (tuple(chunk(ref[t], t, 0, k).shape), ref[t].dtype) for t in range(n_leaves))
+                            (tuple(chunk(ref[t], sds[t], 0, k).shape), ref[t].dtype) for t in range(n_leaves))
                         order.setdefault(sw, []).append((s, q))
         inbox = self._exchange(sends, recvs)
         received: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -559,15 +567,16 @@ class TorchDistEngine(Engine):
         for i, q in enumerate(self.local_replica_ids):
             g = next(g for g in call.groups if q in g)
             k, dev = len(g), self.devices[i]
+            sds, cds = self._params[q]
             row = []
             for t in range(n_leaves):
                 pieces = []
                 for s in g:
                     if s // R == self.rank:
-                        pieces.append(chunk(payloads[idx[s]][t], t, g.index(q), k).to(dev))
+                        pieces.append(chunk(payloads[idx[s]][t], sds[t], g.index(q), k).to(dev))
                     else:
                         pieces.append(received[(s, q)][t].to(dev))
-                row.append(torch.cat(pieces, concat_dims[t]))
+                row.append(torch.cat(pieces, cds[t]))
             outs.append(row)
         return outs
 
