@@ -9,7 +9,6 @@ collective per worker).
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch

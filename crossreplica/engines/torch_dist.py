@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import itertools
 import time
 from typing import Any, Sequence
 
@@ -62,7 +61,6 @@ __all__ = ["TorchDistEngine", "WorkerFailedError"]
 _ALIGN = 16  # byte alignment of packed segments, so every dtype view is aligned
 _SLICE = 0.25  # seconds between abort-key checks while a collective waits
 _FINISHED = Call("finished", (), ())
-_engine_serial = itertools.count()
 
 
 class WorkerFailedError(CollectiveTimeoutError):
@@ -139,8 +137,13 @@ class TorchDistEngine(Engine):
         self.comm_device = comm_device
         self._timeout = float(timeout)
         self.check_collectives = bool(check_collectives)
-        self._prefix = f"crossreplica/engine{next(_engine_serial)}"
         self._store = self._default_store()
+        # Keys of this engine in the store. Every worker creates its engines in the same
+        # order (SPMD), so its own count of engines names the same engine everywhere.
+        serial = 0
+        if self._store is not None:
+            serial = self._store.add(f"crossreplica/engines-of-rank{self.rank}", 1)
+        self._prefix = f"crossreplica/engine{serial}"
         self._subgroups: dict[tuple[int, ...], Any] = {}
         self._plans: dict[Groups, list] = {}
         self._count = 0  # cross-process collectives so far (same on every worker: SPMD)

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 from ..engines.hierarchical import HierarchicalEngine
-from ..engines.threads import DEFAULT_TIMEOUT, reduce_into
+from ..engines.threads import DEFAULT_TIMEOUT
+from ..engines.base import Call
 from ..engines.torch_dist import TorchDistEngine
 from ..groups import Groups
-from ..engines.base import Call
 from ..reduce_op import ReduceOp
 from .base import Strategy, StrategyExtended
 from .devices import canonical_device
