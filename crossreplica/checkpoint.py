@@ -36,12 +36,37 @@ from .values import Mirrored, PerReplica
 __all__ = ["save", "load"]
 
 
-def _cross_process(strategy: Any) -> Any:
-    """The strategy's multi-process machinery, or None when everything is in this process."""
+class _Workers:
+    """Who writes, and how the workers agree on the outcome."""
+
+    def __init__(self, is_chief: bool, max_flag: Any):
+        self.is_chief = is_chief
+        self.max_flag = max_flag  # int -> the maximum over every worker (a bounded collective)
+
+
+def _cross_process(strategy: Any) -> _Workers | None:
+    """How to reach the other workers, or None when everything is in this process.
+
+    A multi-process strategy in scope (or passed) is used; outside any scope, an
+    initialised torch.distributed world of several processes still makes rank 0
+    the only writer, so a script that calls cr.save outside ``strategy.scope()``
+    does not write once per process."""
     ext = getattr(strategy, "extended", None)
     engine = getattr(ext, "engine", None)
-    if ext is not None and getattr(engine, "world_size", 1) > 1 and hasattr(ext, "reduce_values"):
-        return ext
+    if ext is not None and getattr(engine, "world_size", 1) > 1 and hasattr(ext, "is_chief"):
+        n = len(ext.worker_devices)
+        return _Workers(ext.is_chief, lambda flag: int(ext.reduce_values(
+            ReduceOp.MAX, [torch.tensor([flag], dtype=torch.int32)] * n).item()))
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        def max_flag(flag: int) -> int:
+            device = torch.device("cuda", torch.cuda.current_device()) \
+                if str(dist.get_backend()) == "nccl" else torch.device("cpu")
+            t = torch.tensor([flag], dtype=torch.int32, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # bounded by the process group's timeout
+            return int(t.item())
+        return _Workers(dist.get_rank() == 0, max_flag)
     return None
 
 
@@ -109,20 +134,19 @@ def save(path: str | os.PathLike, state: Any, *, strategy: Any = None) -> None:
         raise TypeError(f"cr.save: path must be a str or os.PathLike; got {path!r}")
     path = os.fspath(path)
     strategy = _resolve(strategy, "save")
-    ext = _cross_process(strategy)
+    workers = _cross_process(strategy)
     plain = _plain(state)
-    if ext is None:
+    if workers is None:
         _atomic_save(plain, path)
         return
     failure: BaseException | None = None
-    if ext.is_chief:
+    if workers.is_chief:
         try:
             _atomic_save(plain, path)
         except BaseException as e:  # noqa: BLE001 - reported to every worker below
             failure = e
     # The barrier carries the outcome: every worker learns whether the chief succeeded.
-    flag = torch.tensor([1 if failure is not None else 0], dtype=torch.int32)
-    failed = int(ext.reduce_values(ReduceOp.MAX, [flag] * len(ext.worker_devices)).item())
+    failed = workers.max_flag(1 if failure is not None else 0)
     if failure is not None:
         raise failure
     if failed:
@@ -140,13 +164,13 @@ def load(path: str | os.PathLike, *, map_location: Any = "cpu", strategy: Any = 
         raise TypeError(f"cr.load: path must be a str or os.PathLike; got {path!r}")
     path = os.fspath(path)
     strategy = _resolve(strategy, "load")
-    ext = _cross_process(strategy)
-    if ext is None:
+    workers = _cross_process(strategy)
+    if workers is None:
         return torch.load(path, map_location=map_location, weights_only=weights_only)
     import torch.distributed as dist
 
     box: list[Any] = [None]
-    if ext.is_chief:
+    if workers.is_chief:
         try:
             box[0] = ("ok", torch.load(path, map_location="cpu", weights_only=weights_only))
         except FileNotFoundError as e:

@@ -60,7 +60,7 @@ def main() -> None:
     while step < total:
         strategy.run(train_step, (step,))
         step += 1
-        cr.save(ckpt, {"model": model, "opt": opt, "step": step}, strategy=strategy)
+        cr.save(ckpt, {"model": model, "opt": opt, "step": step})  # outside any scope: still chief-only
         log.write(f"attempt {attempt} finished step {step - 1}\n")
         log.flush()
     if rank == 0:
