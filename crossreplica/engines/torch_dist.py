@@ -233,8 +233,10 @@ class TorchDistEngine(Engine):
         except (CollectiveMismatchError, CollectiveTimeoutError, ReplicaAborted) as e:
             self._broken = e
             raise
-        except RuntimeError as e:  # a backend error: the process group can no longer be trusted
-            err = self._lost(e)
+        except RuntimeError as e:
+            if not _is_peer_loss(e):
+                raise
+            err = self._lost(e)  # the process group can no longer be trusted
             self._broken = err
             raise err from e
 
@@ -248,7 +250,7 @@ class TorchDistEngine(Engine):
             self._wait(dist.all_reduce(torch.zeros(1, device=self.comm_device), async_op=True),
                        range(self.world_size))
         except RuntimeError as e:
-            if isinstance(e, CrossReplicaError):
+            if isinstance(e, CrossReplicaError) or not _is_peer_loss(e):
                 raise
             raise self._lost(e) from e
 
@@ -645,7 +647,9 @@ class TorchDistEngine(Engine):
                 work.wait(datetime.timedelta(seconds=max(min(_SLICE, left), 0.001)))
                 return
             except RuntimeError as e:
-                if "timed out" not in str(e).lower():
+                # Work.wait's own "Operation timed out!" ends a slice; the work goes on. Anything
+                # else (or a finished work) is the backend reporting a real failure.
+                if "Operation timed out" not in str(e) or work.is_completed():
                     raise
             if not posted:
                 self._post_progress()
@@ -720,6 +724,16 @@ class TorchDistEngine(Engine):
         return WorkerFailedError(
             f"collective {self._where} failed on worker rank {self.rank}: the connection to another "
             f"worker broke ({first}); {who}", replicas)
+
+
+_PEER_LOSS = ("connection", "closed", "reset by peer", "broken pipe", "read error", "write error",
+              "timed out", "timeout", "socket", "unreachable", "gloo", "nccl")
+
+
+def _is_peer_loss(e: BaseException) -> bool:
+    """Whether a backend error means a peer is gone (rather than a bug in the call)."""
+    text = str(e).lower()
+    return any(word in text for word in _PEER_LOSS)
 
 
 def _normalised(call: Call) -> str:
