@@ -19,8 +19,10 @@ from harness_processes import run_processes, run_workers
 pytestmark = pytest.mark.multiprocess
 
 LAYOUTS = [pytest.param((2, 1), id="2x1"), pytest.param((4, 2), id="2x2")]
-# the 2x2 collective run also has check_collectives on: checking must not change any result
-CHECKED_LAYOUTS = [pytest.param((2, 1, False), id="2x1"), pytest.param((4, 2, True), id="2x2-checked")]
+# the 2x2 collective run also has check_collectives on: checking must not change any result;
+# 4x1 makes groups of some workers only, so it exercises process subgroups
+CHECKED_LAYOUTS = [pytest.param((2, 1, False), id="2x1"), pytest.param((4, 2, True), id="2x2-checked"),
+                   pytest.param((4, 1, False), id="4x1")]
 
 
 def _inputs(n: int) -> dict[str, list]:
