@@ -57,3 +57,24 @@ def test_without_launcher_runs_as_one_worker(monkeypatch):
     finally:
         strategy.close()
     assert not dist.is_initialized()
+
+
+def test_check_collectives_from_environment(monkeypatch):
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("CROSSREPLICA_CHECK_COLLECTIVES", "1")
+    strategy = cr.MultiWorkerMirroredStrategy()
+    try:
+        assert strategy.extended.engine.check_collectives
+        out = strategy.run(_double, (torch.ones(1),))
+        assert strategy.experimental_local_results(out)[0].item() == 1.0
+    finally:
+        strategy.close()
+    monkeypatch.setenv("CROSSREPLICA_CHECK_COLLECTIVES", "0")
+    strategy = cr.MultiWorkerMirroredStrategy(check_collectives=None)
+    try:
+        assert not strategy.extended.engine.check_collectives
+    finally:
+        strategy.close()
