@@ -25,6 +25,7 @@ import dataclasses
 import importlib
 import importlib.util
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -142,9 +143,18 @@ def launch(fn: Callable[..., Any], num_replicas: int, *per_replica_args: Sequenc
 
 def run_processes(fn: Callable[..., Any], num_replicas: int, *per_replica_args: Sequence[Any],
                   replicas_per_worker: int = 1, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
-    """Per-replica results of ``fn`` run on real processes (see the module docstring)."""
+    """Per-replica results of ``fn`` run on real processes (see the module docstring).
+
+    If a replica raised, the exception ``strategy.run`` raised in the worker is raised
+    here too (a ReplicaError that is also an instance of the original type, or the
+    collective error itself), so ``pytest.raises`` works as with in-process replicas;
+    the failing worker wins over the workers it released. Anything else (a worker that
+    died or never reported) is a RuntimeError with the logs."""
     out = launch(fn, num_replicas, *per_replica_args, replicas_per_worker=replicas_per_worker,
                  timeout=timeout, **kwargs)
+    primary = _primary_exception(out)
+    if primary is not None:
+        raise primary
     if out.errors or len(out.results) != num_replicas:
         details = "\n".join(f"worker {r}: {e['type']}: {e['message']}\n{e['traceback']}"
                             for r, e in sorted(out.errors.items()))
@@ -165,6 +175,30 @@ def run_workers(main: Callable[[Any], Any], num_workers: int, replicas_per_worke
         raise RuntimeError(f"run_workers({main.__qualname__}) failed after {out.elapsed:.1f}s (exit codes "
                            f"{out.returncodes}):\n{details}\n--- log ---\n{out.log[-6000:]}")
     return [out.results[r] for r in range(num_workers)]
+
+
+def _primary_exception(out: Outcome) -> BaseException | None:
+    """The exception a worker's strategy.run raised, rebuilt here; the culprit over the released."""
+    from crossreplica.errors import replica_error
+
+    candidates = []
+    for rank, err in sorted(out.errors.items()):
+        blob = err.get("pickled")
+        if blob is None:
+            continue
+        try:
+            kind, *rest = pickle.loads(blob)
+        except Exception:  # noqa: BLE001 - not rebuildable here: reported with the logs instead
+            continue
+        exc = replica_error(rest[0], rest[1]) if kind == "replica" else rest[0]
+        released = "ReplicaAborted" in err["mro"]
+        candidates.append((released, rank, exc, err))
+    if not candidates:
+        return None
+    released, rank, exc, err = sorted(candidates, key=lambda c: (c[0], c[1]))[0]
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"(raised in worker rank {rank}; its traceback:)\n{err['traceback']}")
+    return exc
 
 
 def _kill_all(procs: list[subprocess.Popen], tmp: str) -> None:
@@ -215,6 +249,18 @@ def _load_fn(spec: dict) -> Callable[..., Any]:
     return obj
 
 
+def _pickled(e: BaseException) -> bytes | None:
+    """``e`` in a form the parent can rebuild (ReplicaError types are made on the fly)."""
+    from crossreplica.errors import ReplicaError
+
+    try:
+        if isinstance(e, ReplicaError):
+            return pickle.dumps(("replica", e.replica_id, e.original))
+        return pickle.dumps(("plain", e))
+    except Exception:  # noqa: BLE001 - unpicklable: the parent reports the message instead
+        return None
+
+
 def _worker_main(spec_path: str) -> None:
     tmp = os.path.dirname(spec_path)
     rank = int(os.environ.get("RANK", "0"))
@@ -241,7 +287,7 @@ def _worker_main(spec_path: str) -> None:
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         out = {"error": {"type": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__],
                          "message": str(e), "traceback": traceback.format_exc(),
-                         "elapsed": time.monotonic() - start}}
+                         "elapsed": time.monotonic() - start, "pickled": _pickled(e)}}
     torch.save(out, os.path.join(tmp, f"out{rank}.pt"))
     sys.stdout.flush()
     # Skip interpreter teardown: a worker released from a broken process group must not hang in

@@ -214,3 +214,16 @@ def test_strategy_api_across_workers(layout):
         for copy in out["weights"]:
             for got, want in zip(copy, chief.state_dict().values()):
                 assert torch.equal(got, want)
+
+
+def raise_value_error_on_replica_2(x: torch.Tensor) -> torch.Tensor:
+    if cr.replica_id() == 2:
+        raise ValueError(f"bad input on replica {cr.replica_id()}")
+    return cr.all_reduce(x, "sum")
+
+
+def test_run_processes_reraises_the_replica_exception():
+    # the in-process fixture's contract: pytest.raises sees the user's exception type
+    with pytest.raises(ValueError, match="bad input on replica 2") as info:
+        run_processes(raise_value_error_on_replica_2, 4, [torch.ones(1)] * 4, replicas_per_worker=2)
+    assert isinstance(info.value, cr.ReplicaError) and info.value.replica_id == 2
