@@ -142,14 +142,21 @@ def launch(fn: Callable[..., Any], num_replicas: int, *per_replica_args: Sequenc
 
 
 def run_processes(fn: Callable[..., Any], num_replicas: int, *per_replica_args: Sequence[Any],
-                  replicas_per_worker: int = 1, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+                  replicas_per_worker: int = 1, timeout: float = 120.0,
+                  timeout_seconds: float | None = None, **kwargs: Any) -> list[Any]:
     """Per-replica results of ``fn`` run on real processes (see the module docstring).
+
+    ``timeout_seconds`` is the collective timeout (the option name of the in-process
+    runner in tests/harness.py, so this function can be registered there as is);
+    ``timeout`` bounds the whole launch.
 
     If a replica raised, the exception ``strategy.run`` raised in the worker is raised
     here too (a ReplicaError that is also an instance of the original type, or the
     collective error itself), so ``pytest.raises`` works as with in-process replicas;
     the failing worker wins over the workers it released. Anything else (a worker that
     died or never reported) is a RuntimeError with the logs."""
+    if timeout_seconds is not None:
+        kwargs["collective_timeout"] = timeout_seconds
     out = launch(fn, num_replicas, *per_replica_args, replicas_per_worker=replicas_per_worker,
                  timeout=timeout, **kwargs)
     primary = _primary_exception(out)
@@ -249,6 +256,23 @@ def _load_fn(spec: dict) -> Callable[..., Any]:
     return obj
 
 
+class _Box:
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+class _Boxed:
+    """``fn`` returning its result in a fresh box: never the same object on two replicas."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> _Box:
+        return _Box(self.fn(*args))
+
+
 def _pickled(e: BaseException) -> bytes | None:
     """``e`` in a form the parent can rebuild (ReplicaError types are made on the fly)."""
     from crossreplica.errors import ReplicaError
@@ -280,9 +304,12 @@ def _worker_main(spec_path: str) -> None:
         if spec["mode"] == "main":
             out = {"results": {strategy.extended.worker_rank: fn(strategy)}}
         else:
+            # Always PerReplica (also for one replica), so a None argument is not trimmed by run;
+            # results travel in a box so regroup/select_replica hand back each replica's object.
             args = [cr.PerReplica(tuple(a[r] for r in ids)) for a in spec["args"]]
-            result = strategy.run(fn, args)
-            out = {"results": {r: cr.select_replica(i, result) for i, r in enumerate(ids)}}
+            result = strategy.run(_Boxed(fn), args)
+            boxes = [cr.select_replica(i, result) for i in range(len(ids))]
+            out = {"results": {r: box.value for r, box in zip(ids, boxes)}}
         strategy.close()
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         out = {"error": {"type": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__],
