@@ -33,8 +33,9 @@ class HierarchicalEngine(TorchDistEngine):
     """``len(devices)`` local replicas per worker; see the module docstring."""
 
     def __init__(self, devices: Sequence[torch.device], timeout: float,
-                 check_collectives: bool = False, comm_device: torch.device | None = None):
-        super().__init__(devices, timeout, check_collectives, comm_device)
+                 check_collectives: bool = False, comm_device: torch.device | None = None,
+                 ordered_reductions: bool = True):
+        super().__init__(devices, timeout, check_collectives, comm_device, ordered_reductions)
         # Local waiters wait for their slowest sibling and then for the leader's
         # cross-process wait, which is itself bounded by ``timeout``.
         self.rendezvous = Rendezvous(self.replicas_per_worker, 2 * self._timeout + 5.0,

@@ -117,7 +117,8 @@ class TorchDistEngine(Engine):
     (or, as the base of the hierarchical engine, all local replicas of a worker at once)."""
 
     def __init__(self, devices: Sequence[torch.device], timeout: float,
-                 check_collectives: bool = False, comm_device: torch.device | None = None):
+                 check_collectives: bool = False, comm_device: torch.device | None = None,
+                 ordered_reductions: bool = True):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "TorchDistEngine needs an initialised torch.distributed process group; use "
@@ -151,6 +152,9 @@ class TorchDistEngine(Engine):
         self._broken: BaseException | None = None
         self._current: tuple[Any, int] = ("no collective yet", 0)
         self._params: dict[int, tuple] = {}
+        #: reduce floating point in ascending replica id (exactly the in-process results) rather
+        #: than with the backend's ring; matters only for groups of three replicas or more
+        self.ordered_reductions = ordered_reductions
 
     @staticmethod
     def _default_store() -> Any:
@@ -317,12 +321,19 @@ class TorchDistEngine(Engine):
                         self._hand_out(outs, t, local, acc)
                 continue
             pg = entries[0][2]
+            ops = [self._params[entry[3][0]][0] for entry in entries]
+            ref = payloads[idx[entries[0][3][0]]]
+            ordered = [t for t in range(n_leaves) if self.ordered_reductions and len(groups[0]) > 2
+                       and (ref[t].dtype.is_floating_point or ref[t].dtype.is_complex)]
+            if ordered:
+                self._ordered_all_reduce(ws, entries, ops, ordered, payloads, outs)
             # partial[(entry, leaf)] reduced over the local members, on the comm device
             partials: dict[tuple[int, int], torch.Tensor] = {}
-            ops = [self._params[entry[3][0]][0] for entry in entries]
             for e, (g, _, _, local) in enumerate(entries):
                 local_op = ReduceOp.SUM if ops[e] is ReduceOp.MEAN else ops[e]
                 for t in range(n_leaves):
+                    if t in ordered:
+                        continue
                     xs = [payloads[idx[r]][t] for r in local]
                     if len(xs) == 1:  # our own copy: the collective works in place
                         p = xs[0].to(self.comm_device, copy=True)
@@ -341,6 +352,24 @@ class TorchDistEngine(Engine):
                         r.div_(len(g))
                     self._hand_out(outs, t, local, r)
         return outs
+
+    def _ordered_all_reduce(self, ws: tuple[int, ...], entries: list, ops: list[ReduceOp],
+                            leaves: list[int], payloads: Sequence[list[torch.Tensor]],
+                            outs: list[list[Any]]) -> None:
+        """Floating-point reductions in ascending replica id, as the in-process engine does:
+        every member's tensor is gathered, and each worker reduces them in the same order, so
+        the result is the sequential ``((x0 + x1) + x2) + ...`` exactly, on every replica."""
+        idx = self._index
+        mine = {r: [payloads[idx[r]][t].reshape(-1) for t in leaves]
+                for entry in entries for r in entry[3]}
+        gdims = {r: (0,) * len(leaves) for entry in entries for r in entry[0]}
+        everyone = self._gather_bucket(ws, entries, mine, gdims, len(leaves))
+        everyone.update(mine)
+        for e, (g, _, _, local) in enumerate(entries):
+            for j, t in enumerate(leaves):
+                xs = [everyone[r][j].to(self.comm_device) for r in sorted(g)]
+                acc = reduce_into(ops[e], torch.empty_like(xs[0]), xs)
+                self._hand_out(outs, t, local, acc.view(payloads[idx[local[0]]][t].shape))
 
     def _all_reduce_buffer(self, parts: list[torch.Tensor], op: ReduceOp, dtype: torch.dtype, pg: Any,
                            ws: tuple[int, ...]) -> list[torch.Tensor]:
@@ -412,61 +441,65 @@ class TorchDistEngine(Engine):
         parts: dict[int, list[torch.Tensor]] = {}  # replica id -> its leaves, for every member we learn of
         for r in self.local_replica_ids:
             parts[r] = payloads[idx[r]]
-        plan = self._plan(call.groups)
-        for ws, entries in self._by_worker_set(plan).items():
-            if len(ws) == 1:
-                continue
-            pg = entries[0][2]
-            # what each worker of ws contributes: its members of every group, in group order
-            owned = {w: [r for g, *_ in entries for r in g if r // R == w] for w in ws}
-            refs = {r: payloads[idx[entry[3][0]]] for entry in entries for r in entry[0]}
-            gdims = {r: self._params[entry[3][0]][0] for entry in entries for r in entry[0]}
-            mine = owned[self.rank]
-            meta_len = max(len(v) for v in owned.values()) * n_leaves
-            meta = torch.zeros(meta_len, dtype=torch.int64)
-            meta[:len(mine) * n_leaves] = torch.tensor(
-                [payloads[idx[r]][t].shape[gdims[r][t]] for r in mine for t in range(n_leaves)],
-                dtype=torch.int64)
-            metas = self._gather_fixed(meta.to(self.comm_device), pg, ws).cpu().view(len(ws), -1)
-            specs: dict[int, list] = {}
-            for wi, w in enumerate(ws):
-                if w == self.rank:
-                    continue
-                sizes = metas[wi].tolist()
-                for j, r in enumerate(owned[w]):
-                    row = []
-                    for t in range(n_leaves):
-                        ref = refs[r][t]
-                        shape = list(ref.shape)
-                        shape[gdims[r][t]] = sizes[j * n_leaves + t]
-                        row.append((tuple(shape), ref.dtype))
-                    specs[r] = row
-            send = _pack([x for r in mine for x in payloads[idx[r]]], self.comm_device)
-            lengths = {w: sum(_padded(_nbytes(s, d)) for r in owned[w] for s, d in specs[r])
-                       for w in ws if w != self.rank}
-            lengths[self.rank] = send.numel()
-            width = max(lengths.values())
-            if width:
-                if send.numel() < width:
-                    send = torch.cat([send, send.new_zeros(width - send.numel())])
-                recv = self._gather_fixed(send, pg, ws).view(len(ws), width)
-                for wi, w in enumerate(ws):
-                    if w == self.rank:
-                        continue
-                    off = 0
-                    for r in owned[w]:
-                        parts[r], off = _unpack(recv[wi], specs[r], off)
-            else:
-                for w in ws:
-                    for r in owned[w]:
-                        if r not in parts:
-                            parts[r] = [torch.empty(s, dtype=d, device=self.comm_device) for s, d in specs[r]]
+        for ws, entries in self._by_worker_set(self._plan(call.groups)).items():
+            if len(ws) > 1:
+                gdims = {r: self._params[entry[3][0]][0] for entry in entries for r in entry[0]}
+                parts.update(self._gather_bucket(ws, entries, parts, gdims, n_leaves))
         outs: list[list[torch.Tensor]] = []
         for i, rid in enumerate(self.local_replica_ids):
             group = next(g for g in call.groups if rid in g)
             dev, dims = self.devices[i], self._params[rid][0]
             outs.append([torch.cat([parts[r][t].to(dev) for r in group], dims[t]) for t in range(n_leaves)])
         return outs
+
+    def _gather_bucket(self, ws: tuple[int, ...], entries: list, mine: dict[int, list[torch.Tensor]],
+                       gdims: dict[int, tuple], n_leaves: int) -> dict[int, list[torch.Tensor]]:
+        """Every member's leaves for the groups of one worker set, given this worker's members'
+        leaves in ``mine``; sizes along each group's gather dims (``gdims``) may differ."""
+        R = self.replicas_per_worker
+        pg = entries[0][2]
+        # what each worker of ws contributes: its members of every group, in group order
+        owned = {w: [r for g, *_ in entries for r in g if r // R == w] for w in ws}
+        refs = {r: mine[entry[3][0]] for entry in entries for r in entry[0]}
+        own = owned[self.rank]
+        meta_len = max(len(v) for v in owned.values()) * n_leaves
+        meta = torch.zeros(meta_len, dtype=torch.int64)
+        meta[:len(own) * n_leaves] = torch.tensor(
+            [mine[r][t].shape[gdims[r][t]] for r in own for t in range(n_leaves)], dtype=torch.int64)
+        metas = self._gather_fixed(meta.to(self.comm_device), pg, ws).cpu().view(len(ws), -1)
+        specs: dict[int, list] = {}
+        for wi, w in enumerate(ws):
+            if w == self.rank:
+                continue
+            sizes = metas[wi].tolist()
+            for j, r in enumerate(owned[w]):
+                row = []
+                for t in range(n_leaves):
+                    ref = refs[r][t]
+                    shape = list(ref.shape)
+                    shape[gdims[r][t]] = sizes[j * n_leaves + t]
+                    row.append((tuple(shape), ref.dtype))
+                specs[r] = row
+        send = _pack([x for r in own for x in mine[r]], self.comm_device)
+        lengths = {w: sum(_padded(_nbytes(s, d)) for r in owned[w] for s, d in specs[r])
+                   for w in ws if w != self.rank}
+        lengths[self.rank] = send.numel()
+        width = max(lengths.values())
+        got: dict[int, list[torch.Tensor]] = {}
+        if not width:
+            for r, row in specs.items():
+                got[r] = [torch.empty(s, dtype=d, device=self.comm_device) for s, d in row]
+            return got
+        if send.numel() < width:
+            send = torch.cat([send, send.new_zeros(width - send.numel())])
+        recv = self._gather_fixed(send, pg, ws).view(len(ws), width)
+        for wi, w in enumerate(ws):
+            if w == self.rank:
+                continue
+            off = 0
+            for r in owned[w]:
+                got[r], off = _unpack(recv[wi], specs[r], off)
+        return got
 
     def _gather_fixed(self, x: torch.Tensor, pg: Any, ws: tuple[int, ...]) -> torch.Tensor:
         out = torch.empty(len(ws) * x.numel(), dtype=x.dtype, device=x.device)

@@ -168,11 +168,19 @@ class MultiWorkerMirroredStrategy(Strategy):
             call across workers and raise CollectiveMismatchError listing them
             on a mismatch (env CROSSREPLICA_CHECK_COLLECTIVES=1). Costs one
             small collective per collective.
+        ordered_reductions: reduce floating-point values in ascending replica id,
+            exactly as the in-process engine does, so results are bitwise the same
+            as with MirroredStrategy (default). This gathers every member's tensor
+            for groups of three or more replicas; False uses the backend's ring
+            all-reduce instead (less traffic with many workers, results equal up to
+            rounding). Groups of two replicas, integers, bool, MAX and MIN are exact
+            either way.
     """
 
     def __init__(self, replicas_per_worker: int = 1, backend: str | None = None,
                  timeout_seconds: float | None = None, *, devices: Sequence[Any] | None = None,
-                 check_collectives: bool | None = None, cross_device_ops: Any = None):
+                 check_collectives: bool | None = None, cross_device_ops: Any = None,
+                 ordered_reductions: bool = True):
         if isinstance(replicas_per_worker, bool) or not isinstance(replicas_per_worker, int) \
                 or replicas_per_worker < 1:
             raise ValueError(f"replicas_per_worker must be a positive int; got {replicas_per_worker!r}")
@@ -197,7 +205,8 @@ class MultiWorkerMirroredStrategy(Strategy):
             torch.cuda.set_device(devs[0])
             comm = devs[0]
         engine_cls = TorchDistEngine if replicas_per_worker == 1 else HierarchicalEngine
-        engine = engine_cls(devs, timeout, check_collectives=bool(check_collectives), comm_device=comm)
+        engine = engine_cls(devs, timeout, check_collectives=bool(check_collectives), comm_device=comm,
+                            ordered_reductions=bool(ordered_reductions))
         self.extended = MultiWorkerExtended(self, devs, engine, cross_device_ops)
         if str(dist.get_backend()) == "nccl":
             engine.barrier("set-up")  # creates the communicators with every rank present
