@@ -50,13 +50,13 @@ def reps_for(nbytes: int) -> int:
 
 # --------------------------------------------------------------------------- worker
 
-def worker(sizes: list[int], rpw: int, out_path: str) -> None:
+def worker(sizes: list[int], rpw: int, out_path: str, ordered: bool) -> None:
     import torch
     import torch.distributed as dist
 
     import crossreplica as cr
 
-    strategy = cr.MultiWorkerMirroredStrategy(rpw, timeout_seconds=600)
+    strategy = cr.MultiWorkerMirroredStrategy(rpw, timeout_seconds=600, ordered_reductions=ordered)
     rank = strategy.extended.worker_rank
     results = []
     for nbytes in sizes:
@@ -119,13 +119,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_layout(workers: int, rpw: int, sizes: list[int], timeout: float) -> list[dict]:
+def run_layout(workers: int, rpw: int, sizes: list[int], timeout: float, ordered: bool) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={workers}",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=0",
                os.path.abspath(__file__), "--worker", "--rpw", str(rpw), "--out", out,
-               "--sizes", ",".join(str(s) for s in sizes)]
+               "--sizes", ",".join(str(s) for s in sizes)] + ([] if ordered else ["--unordered"])
         env = dict(os.environ, OMP_NUM_THREADS="1")
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         try:
@@ -146,20 +146,22 @@ def main() -> None:
     p.add_argument("--layouts", default="2x1,4x1,2x2")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json")
+    p.add_argument("--unordered", action="store_true",
+                   help="ordered_reductions=False: the backend's ring all-reduce for groups of 3+")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rpw", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args()
     sizes = [parse_size(s) for s in a.sizes.split(",")]
     if a.worker:
-        worker(sizes, a.rpw, a.out)
+        worker(sizes, a.rpw, a.out, not a.unordered)
         return
     layouts = [tuple(int(v) for v in lay.split("x")) for lay in a.layouts.split(",")]
     all_results = {}
     for w, r in layouts:
-        all_results[f"{w}x{r}"] = run_layout(w, r, sizes, a.timeout)
+        all_results[f"{w}x{r}"] = run_layout(w, r, sizes, a.timeout, not a.unordered)
     print(f"\nall_reduce float32, median seconds per call on rank 0 (torch {__import__('torch').__version__}, "
-          f"{os.cpu_count()} CPUs, gloo)\n")
+          f"{os.cpu_count()} CPUs, gloo, ordered_reductions={not a.unordered})\n")
     print("| layout | size | raw in place | raw on a fresh copy | crossreplica engine | engine / raw "
           "| engine / raw-on-copy |")
     print("|---|---|---|---|---|---|---|")
