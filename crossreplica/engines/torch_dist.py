@@ -356,20 +356,71 @@ class TorchDistEngine(Engine):
     def _ordered_all_reduce(self, ws: tuple[int, ...], entries: list, ops: list[ReduceOp],
                             leaves: list[int], payloads: Sequence[list[torch.Tensor]],
                             outs: list[list[Any]]) -> None:
-        """Floating-point reductions in ascending replica id, as the in-process engine does:
-        every member's tensor is gathered, and each worker reduces them in the same order, so
-        the result is the sequential ``((x0 + x1) + x2) + ...`` exactly, on every replica."""
-        idx = self._index
-        mine = {r: [payloads[idx[r]][t].reshape(-1) for t in leaves]
-                for entry in entries for r in entry[3]}
-        gdims = {r: (0,) * len(leaves) for entry in entries for r in entry[0]}
-        everyone = self._gather_bucket(ws, entries, mine, gdims, len(leaves))
-        everyone.update(mine)
+        """Floating-point reductions in ascending replica id, as the in-process engine does.
+
+        A reduce-scatter then all-gather, like the backends' ring, but ordered: worker ``j``
+        of the worker set receives the ``j``-th chunk of every member's tensor (point to
+        point), reduces the chunks sequentially in ascending replica id, and the reduced
+        chunks are all-gathered. The result is ``((x0 + x1) + x2) + ...`` exactly, the same
+        bytes on every replica, for the traffic of a ring all-reduce."""
+        idx, R = self._index, self.replicas_per_worker
+        n_w, me = len(ws), ws.index(self.rank)
+        comm = self.comm_device
+        # one unit per (group, dtype): that group's leaves of that dtype, flattened end to end
+        units = []
         for e, (g, _, _, local) in enumerate(entries):
-            for j, t in enumerate(leaves):
-                xs = [everyone[r][j].to(self.comm_device) for r in sorted(g)]
-                acc = reduce_into(ops[e], torch.empty_like(xs[0]), xs)
-                self._hand_out(outs, t, local, acc.view(payloads[idx[local[0]]][t].shape))
+            rp = payloads[idx[local[0]]]
+            for d in sorted({rp[t].dtype for t in leaves}, key=str):
+                ts = [t for t in leaves if rp[t].dtype == d]
+                units.append((e, d, ts, sum(rp[t].numel() for t in ts)))
+
+        def bounds(n: int, j: int) -> tuple[int, int]:
+            return n * j // n_w, n * (j + 1) // n_w
+
+        vec = {(u, r): torch.cat([payloads[idx[r]][t].reshape(-1) for t in ts]).to(comm)
+               for u, (e, d, ts, n) in enumerate(units) for r in entries[e][3]}
+        sends: dict[int, list[torch.Tensor]] = {}
+        recvs: dict[int, list] = {}
+        order: dict[int, list[tuple[int, int]]] = {}
+        for j, w in enumerate(ws):
+            if w == self.rank:
+                continue
+            for u, (e, d, ts, n) in enumerate(units):
+                lo, hi = bounds(n, j)
+                sends.setdefault(w, []).extend(vec[(u, r)][lo:hi] for r in entries[e][3])
+                mlo, mhi = bounds(n, me)
+                for r in sorted(entries[e][0]):
+                    if r // R == w:
+                        recvs.setdefault(w, []).append(((mhi - mlo,), d))
+                        order.setdefault(w, []).append((u, r))
+        inbox = self._exchange(sends, recvs)
+        chunks = {key: x for w, keys in order.items() for key, x in zip(keys, inbox[w])}
+        reduced = []
+        for u, (e, d, ts, n) in enumerate(units):
+            lo, hi = bounds(n, me)
+            xs = [vec[(u, r)][lo:hi] if r // R == self.rank else chunks[(u, r)] for r in sorted(entries[e][0])]
+            reduced.append(reduce_into(ops[e], torch.empty(hi - lo, dtype=d, device=comm), xs))
+        specs = [[((bounds(n, j)[1] - bounds(n, j)[0],), d) for (e, d, ts, n) in units] for j in range(n_w)]
+        width = max(sum(_padded(_nbytes(s, d)) for s, d in row) for row in specs)
+        pieces: list[list[torch.Tensor]] = [[] for _ in units]
+        if width:
+            send = _pack(reduced, comm)
+            if send.numel() < width:
+                send = torch.cat([send, send.new_zeros(width - send.numel())])
+            recv = self._gather_fixed(send, entries[0][2], ws).view(n_w, width)
+            for j in range(n_w):
+                row = reduced if j == me else _unpack(recv[j], specs[j])[0]
+                for u, x in enumerate(row):
+                    pieces[u].append(x)
+        for u, (e, d, ts, n) in enumerate(units):
+            full = torch.cat(pieces[u]) if pieces[u] else torch.empty(0, dtype=d, device=comm)
+            local = entries[e][3]
+            rp = payloads[idx[local[0]]]
+            off = 0
+            for t in ts:
+                k = rp[t].numel()
+                self._hand_out(outs, t, local, full[off:off + k].view(rp[t].shape), fresh=len(ts) == 1)
+                off += k
 
     def _all_reduce_buffer(self, parts: list[torch.Tensor], op: ReduceOp, dtype: torch.dtype, pg: Any,
                            ws: tuple[int, ...]) -> list[torch.Tensor]:
