@@ -188,6 +188,11 @@ def strategy_main(strategy: cr.Strategy) -> dict:
     copies = strategy.extended.broadcast_initial_state(
         cr.Mirrored(tuple(model if i == 0 else __import__("copy").deepcopy(model) for i in range(len(local)))))
     out["weights"] = [[t.clone() for t in m.state_dict().values()] for m in copies.values]
+    # the backend-ring path (ordered_reductions=False), on the same process group
+    ring = cr.MultiWorkerMirroredStrategy(len(local), timeout_seconds=60, ordered_reductions=False)
+    vals = cr.PerReplica(tuple(torch.linspace(0, 1, 5) * (r + 1) / 3 for r in local))
+    summed = ring.run(lambda v: (cr.all_reduce(v, "sum"), cr.all_reduce(v, "mean")), (vals,))
+    out["ring"] = [[t.clone() for t in pair] for pair in zip(*(ring.experimental_local_results(x) for x in summed))]
     strategy.extended.barrier()
     return out
 
@@ -209,6 +214,11 @@ def test_strategy_api_across_workers(layout):
         assert out["gather"] == [r for r in range(n) for _ in range(r + 1)]
         assert out["chief"] == (w == 0)
         assert out["bcast"] == 0.0
+    vals = [torch.linspace(0, 1, 5) * (r + 1) / 3 for r in range(n)]
+    for out in res:
+        for total, mean in out["ring"]:
+            torch.testing.assert_close(total, sum(vals))
+            torch.testing.assert_close(mean, sum(vals) / n)
     torch.manual_seed(0)
     chief = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
     for out in res:
