@@ -5,6 +5,7 @@ on N processes or on many hosts, with the same numbers.
 """
 
 from . import errors
+from .checkpoint import load, save
 from .collectives import (all_gather, all_reduce, all_to_all, broadcast, collective_permute,
                           cross_replica_average, cross_replica_mean, cross_replica_sum, num_replicas,
                           reduce_scatter, replica_id)
@@ -14,7 +15,7 @@ from .errors import (CollectiveMismatchError, CollectiveTimeoutError, ReplicaCon
                      ReplicaError)
 from .groups import Mesh, canonical_groups, contiguous_groups, strided_groups
 from .reduce_op import ReduceOp
-from .strategies import MirroredStrategy, OneDeviceStrategy, Strategy
+from .strategies import MirroredStrategy, MultiWorkerMirroredStrategy, OneDeviceStrategy, Strategy
 from .values import (DistributedValues, Mirrored, PerReplica, regroup, select_replica,
                      select_replica_mirrored)
 
@@ -22,12 +23,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "errors",
+    "save", "load",
     "ReduceOp",
     "DistributedValues", "PerReplica", "Mirrored", "regroup", "select_replica", "select_replica_mirrored",
     "Mesh", "canonical_groups", "contiguous_groups", "strided_groups",
     "ReplicaContext", "get_strategy", "has_strategy", "in_cross_replica_context", "get_replica_context",
     "ReplicaContextError", "CollectiveMismatchError", "CollectiveTimeoutError", "ReplicaError",
-    "Strategy", "OneDeviceStrategy", "MirroredStrategy",
+    "Strategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy",
     "all_reduce", "cross_replica_sum", "cross_replica_mean", "cross_replica_average", "all_gather",
     "reduce_scatter", "all_to_all", "broadcast", "collective_permute", "replica_id", "num_replicas",
 ]

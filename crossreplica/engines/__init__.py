@@ -5,6 +5,8 @@ its invariants; the layers above never know which one runs.
 """
 
 from .base import Call, Engine
+from .hierarchical import HierarchicalEngine
 from .threads import ThreadsEngine
+from .torch_dist import TorchDistEngine
 
-__all__ = ["Call", "Engine", "ThreadsEngine"]
+__all__ = ["Call", "Engine", "ThreadsEngine", "TorchDistEngine", "HierarchicalEngine"]

@@ -2,6 +2,7 @@
 
 from .base import Strategy, StrategyExtended
 from .mirrored import MirroredStrategy
+from .multi_worker import MultiWorkerMirroredStrategy
 from .one_device import OneDeviceStrategy
 
-__all__ = ["Strategy", "StrategyExtended", "OneDeviceStrategy", "MirroredStrategy"]
+__all__ = ["Strategy", "StrategyExtended", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy"]

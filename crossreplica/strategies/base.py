@@ -23,7 +23,7 @@ from ..engines.threads import check_agreement, reduce_into
 from ..errors import ReplicaContextError, replica_error
 from ..reduce_op import ReduceOp, check_dtype, reduce_non_distributed_value
 from ..values import DistributedValues, regroup, select_replica
-from .replica_threads import ReplicaThreads
+from .replica_threads import ReplicaThreads, raise_first_failure
 
 __all__ = ["Strategy", "StrategyExtended"]
 
@@ -62,6 +62,13 @@ class StrategyExtended:
     @property
     def timeout(self) -> float:
         return getattr(self.engine, "timeout", 300.0)
+
+    @property
+    def always_wrap(self) -> bool:
+        """Whether run/merge_call wrap every per-replica leaf, even with one local replica or
+        when the local replicas hold the same object: true across processes, where a local
+        value is only one of several."""
+        return False
 
     # ------------------------------------------------------------ replica execution
 
@@ -114,9 +121,8 @@ class StrategyExtended:
                 return [body(0)]
             except Exception as e:
                 engine.abort(ids[0], e)
-                from .replica_threads import raise_first_failure
-                raise_first_failure([(0, e)])
-        return self._threads.run(body, on_error, self.timeout)
+                raise_first_failure([(0, e)], ids)
+        return self._threads.run(body, on_error, self.timeout, ids)
 
     def merge_call(self, rctx: ReplicaContext, merge_fn: Callable[..., Any], args: tuple,
                    kwargs: dict) -> Any:
@@ -127,8 +133,8 @@ class StrategyExtended:
         def lead(calls: list, payloads: list) -> Any:
             # the last to arrive leads: every other replica must be in merge_call too
             check_agreement(calls, self.local_replica_ids)
-            merge_args = regroup(tuple(p[1] for p in payloads))
-            merge_kwargs = regroup(tuple(p[2] for p in payloads))
+            merge_args = regroup(tuple(p[1] for p in payloads), always_wrap=self.always_wrap)
+            merge_kwargs = regroup(tuple(p[2] for p in payloads), always_wrap=self.always_wrap)
             with context.frame(strategy, None):
                 return payloads[0][0](strategy, *merge_args, **merge_kwargs)
 
@@ -148,6 +154,11 @@ class StrategyExtended:
         """Concatenates one tensor per local replica over all replicas in sync."""
         device = tensors[0].device
         return torch.cat([t.to(device) for t in tensors], axis)
+
+    def broadcast_values(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Replica 0's tensor, given one tensor per local replica (multi-process
+        strategies return global replica 0's, for ``mirror`` and checkpoints)."""
+        return tensors[0]
 
 
 class Strategy:
@@ -199,7 +210,7 @@ class Strategy:
         self._check_distributed(("args", args), ("kwargs", kwargs))
         with self.scope():
             results = self.extended.call_for_each_replica(fn, args, kwargs)
-        return regroup(results)
+        return regroup(results, always_wrap=self.extended.always_wrap)
 
     def _check_distributed(self, *named: tuple[str, Any]) -> None:
         n = len(self.extended.worker_devices)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import atexit
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAborted, replica_error
 
@@ -89,7 +89,7 @@ class ReplicaThreads:
                 self._done.release()
 
     def run(self, body: Callable[[int], Any], on_error: Callable[[int, BaseException], None],
-            failure_grace: float) -> list[Any]:
+            failure_grace: float, names: Sequence[int] | None = None) -> list[Any]:
         """Runs ``body(i)`` on every thread; returns the results or raises the first failure.
 
         Once a replica has failed, the others get ``failure_grace`` seconds to
@@ -122,7 +122,7 @@ class ReplicaThreads:
             self._body = self._on_error = None
             self.busy = False
         if errors:
-            raise_first_failure(errors)
+            raise_first_failure(errors, names)
         return results
 
     def _abandon(self) -> None:
@@ -159,7 +159,7 @@ def _close_all() -> None:
         threads.close(join_timeout=0.2)
 
 
-def raise_first_failure(errors: list[tuple[int, BaseException]]) -> None:
+def raise_first_failure(errors: list[tuple[int, BaseException]], names: Sequence[int] | None = None) -> None:
     """Raises what the user should see for a failed run.
 
     A replica's own exception wins over the ReplicaAborted of the replicas it
@@ -172,4 +172,4 @@ def raise_first_failure(errors: list[tuple[int, BaseException]]) -> None:
     collective = [(j, e) for j, e in primary if isinstance(e, (CollectiveMismatchError, CollectiveTimeoutError))]
     if collective and len(collective) == len(primary):
         raise collective[0][1]
-    raise replica_error(i, exc) from exc
+    raise replica_error(names[i] if names is not None else i, exc) from exc

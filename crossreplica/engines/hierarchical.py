@@ -1,0 +1,96 @@
+"""The hierarchical engine: several replica threads per process, processes joined by torch.distributed.
+
+A collective is two levels. First the worker's local replicas meet in-process
+on the same :class:`Rendezvous` the threads engine uses: the last to arrive is
+the leader, checks that the local calls agree (``check_agreement``, as the
+threads engine does), and then performs the cross-process part once for the
+whole worker (:meth:`TorchDistEngine.process`: local members reduce first, then
+one cross-process collective per worker set and dtype). The other local
+replicas wake with their share of the leader's result.
+
+merge_call is a round of the local rendezvous only (tf semantics: merge_fn
+runs once per worker, on the worker's replicas). Failures inherit both
+mechanisms: the rendezvous releases local replicas at once, the store key of
+the torch.distributed engine releases the other workers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import CollectiveMismatchError
+from .base import Call
+from .rendezvous import Rendezvous
+from .threads import check_agreement
+from .torch_dist import _FINISHED, TorchDistEngine
+
+__all__ = ["HierarchicalEngine"]
+
+
+class HierarchicalEngine(TorchDistEngine):
+    """``len(devices)`` local replicas per worker; see the module docstring."""
+
+    def __init__(self, devices: Sequence[torch.device], timeout: float,
+                 check_collectives: bool = False, comm_device: torch.device | None = None,
+                 ordered_reductions: bool = True):
+        super().__init__(devices, timeout, check_collectives, comm_device, ordered_reductions)
+        # Local waiters wait for their slowest sibling and then for the leader's
+        # cross-process wait, which is itself bounded by ``timeout``.
+        self.rendezvous = Rendezvous(self.replicas_per_worker, 2 * self._timeout + 5.0,
+                                     self.local_replica_ids)
+
+    def begin_run(self) -> None:
+        super().begin_run()
+        self.rendezvous.begin_run()
+
+    def execute(self, replica_id: int, call: Call, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        i = self._index[replica_id]
+        tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+        return self.rendezvous.exchange(i, call, tensors, self._lead)[i]
+
+    def _lead(self, calls: list[Call], payloads: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        self._check_local(calls)
+        return self.process(calls, payloads)
+
+    def _check_local(self, calls: list[Call]) -> None:
+        """The threads engine's agreement check, on the local members of each group."""
+        mine = set(self.local_replica_ids)
+
+        def local_view(c: Call) -> Call:
+            if c.kind in ("merge_call", "barrier", "finished", "permute"):
+                return c
+            groups = tuple(g for g in (tuple(r for r in g if r in mine) for g in c.groups) if g)
+            return c._replace(groups=groups)
+
+        if len({c.groups for c in calls}) > 1 or len({c.kind for c in calls}) > 1:
+            views = calls  # different kinds or groups: reported as they are
+        else:
+            views = [local_view(c) for c in calls]
+        try:
+            check_agreement(views, self.local_replica_ids)
+        except CollectiveMismatchError:
+            lines = "\n".join(f"  replica {r}: {c.describe()}" for r, c in zip(self.local_replica_ids, calls))
+            raise CollectiveMismatchError(
+                f"replicas made different collective calls (they must call the same collectives, in "
+                f"the same order, with the same op, group, shapes and dtypes):\n{lines}") from None
+
+    def exchange_objects(self, replica_id: int, call: Call, obj: Any, leader_fn: Any,
+                         timeout: float | None = None) -> Any:
+        return self.rendezvous.exchange(self._index[replica_id], call, obj, leader_fn, timeout)
+
+    def finish(self, replica_id: int) -> None:
+        i = self._index[replica_id]
+        if self.check_collectives and self._broken is None:
+            # one last checked round, so a worker that makes fewer calls is reported
+            self.rendezvous.exchange(i, _FINISHED, None, self._lead_finished)
+        self.rendezvous.finish(i)
+
+    def _lead_finished(self, calls: list[Call], payloads: list) -> None:
+        self._check_local(calls)
+        self.process(calls, [[] for _ in calls])
+
+    def abort(self, replica_id: int, exc: BaseException) -> None:
+        self.rendezvous.abort(self._index[replica_id], exc)
+        super().abort(replica_id, exc)

@@ -1,0 +1,282 @@
+"""MultiWorkerMirroredStrategy: replicas in several processes (and hosts), joined by torch.distributed.
+
+Each process is a *worker* that drives ``replicas_per_worker`` local replicas
+(threads, as MirroredStrategy does). Replicas are numbered globally:
+``replica id = worker rank * replicas_per_worker + local index``. The workers
+are found from the standard launcher environment (``torchrun`` sets RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT); without it the strategy
+runs as a single worker, so the same script also runs as ``python script.py``.
+
+tf semantics: ``run`` returns the LOCAL replicas' results (a PerReplica of
+``replicas_per_worker`` values); ``merge_call`` runs ``merge_fn`` once per
+worker on its local replicas; ``reduce`` / ``gather`` in cross-replica context
+cover every replica of every worker (the hooks below).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..engines.hierarchical import HierarchicalEngine
+from ..engines.threads import DEFAULT_TIMEOUT
+from ..engines.base import Call
+from ..engines.torch_dist import TorchDistEngine
+from ..groups import Groups
+from ..reduce_op import ReduceOp
+from .base import Strategy, StrategyExtended
+from .devices import canonical_device
+
+__all__ = ["MultiWorkerMirroredStrategy", "MultiWorkerExtended"]
+
+_BACKENDS = ("gloo", "nccl")
+
+
+def _env_int(name: str, default: int | None = None) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer; got {raw!r}") from None
+
+
+def _truthy(raw: str | None) -> bool:
+    return raw is not None and raw.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _state_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors of a module (parameters, then buffers), tensor or nest, in a fixed order."""
+    if isinstance(obj, torch.nn.Module):
+        return [p.data for p in obj.parameters()] + [b for b in obj.buffers()]
+    if isinstance(obj, torch.Tensor):
+        return [obj.data]
+    if isinstance(obj, (list, tuple, dict)):
+        items = obj.values() if isinstance(obj, dict) else obj
+        return [t for item in items for t in _state_tensors(item)]
+    return []
+
+
+class MultiWorkerExtended(StrategyExtended):
+    """Cross-process versions of the cross-replica hooks, plus worker facts."""
+
+    engine: TorchDistEngine
+
+    @property
+    def worker_rank(self) -> int:
+        return self.engine.rank
+
+    @property
+    def num_workers(self) -> int:
+        return self.engine.world_size
+
+    @property
+    def always_wrap(self) -> bool:
+        return self.engine.world_size > 1
+
+    @property
+    def is_chief(self) -> bool:
+        """True on the worker that holds replica 0 (it writes checkpoints)."""
+        return self.engine.rank == 0
+
+    def _world(self) -> Groups:
+        return (tuple(range(self.engine.num_replicas)),)
+
+    def reduce_values(self, op: ReduceOp, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Reduces the local replicas' tensors with every other worker's (one collective)."""
+        if self.engine.world_size == 1:
+            return super().reduce_values(op, tensors)
+        xs = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t) for t in tensors]
+        calls = [Call.of("all_reduce", self._world(), (op,), [x]) for x in xs]
+        return self.engine.process(calls, [[x] for x in xs])[0][0]
+
+    def gather_values(self, tensors: Sequence[torch.Tensor], axis: int) -> torch.Tensor:
+        """Concatenates every replica's tensor along ``axis``, in global replica order."""
+        if self.engine.world_size == 1:
+            return super().gather_values(tensors, axis)
+        xs = [t.unsqueeze(0) if t.dim() == 0 else t for t in tensors]
+        axis = axis % xs[0].dim()
+        calls = [Call.of("all_gather", self._world(), ((axis,),), [x]) for x in xs]
+        return self.engine.process(calls, [[x] for x in xs])[0][0]
+
+    def broadcast_values(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Replica 0's tensor (of worker 0), given one tensor per local replica."""
+        if self.engine.world_size == 1:
+            return super().broadcast_values(tensors)
+        xs = list(tensors)
+        calls = [Call.of("broadcast", self._world(), (0,), [x]) for x in xs]
+        return self.engine.process(calls, [[x] for x in xs])[0][0]
+
+    def broadcast_initial_state(self, mirrored: Any) -> Any:
+        """Overwrites every local copy in ``mirrored`` (a Mirrored of modules, tensors or
+        nests of them) with global replica 0's values, in place; returns ``mirrored``.
+
+        The hook ``Strategy.mirror`` calls, so every worker starts from the chief's
+        initial weights whatever its own random initialisation was."""
+        if self.engine.world_size == 1:
+            return mirrored
+        per_copy = [_state_tensors(copy) for copy in mirrored.values]
+        counts = {len(ts) for ts in per_copy}
+        if len(counts) != 1:
+            raise ValueError(f"the local copies of a Mirrored value differ in structure ({sorted(counts)} "
+                             f"tensors); build it with strategy.mirror")
+        if not per_copy[0]:
+            return mirrored
+        calls = [Call.of("broadcast", self._world(), (0,), ts) for ts in per_copy]
+        outs = self.engine.process(calls, per_copy)
+        with torch.no_grad():
+            for ts, news in zip(per_copy, outs):
+                for t, new in zip(ts, news):
+                    t.copy_(new)
+        return mirrored
+
+    @property
+    def num_input_pipelines(self) -> int:
+        """One input pipeline per worker process."""
+        return self.engine.world_size
+
+    @property
+    def input_pipeline_id(self) -> int:
+        """This worker's pipeline: its rank."""
+        return self.engine.rank
+
+    def barrier(self, what: str = "barrier") -> None:
+        """Every worker waits here for the others (bounded by the timeout)."""
+        self.engine.barrier(what)
+
+
+class MultiWorkerMirroredStrategy(Strategy):
+    """Synchronous replicas across processes and hosts.
+
+    Args:
+        replicas_per_worker: local replicas per process (threads, one per
+            device); global replica id = rank * replicas_per_worker + local index.
+        backend: "gloo" or "nccl"; default nccl when the replicas sit on CUDA
+            devices, else gloo. Ignored when the process group already exists.
+        timeout_seconds: bound on every collective and on process-group set-up
+            (env CROSSREPLICA_TIMEOUT, default 300). A worker that dies or
+            raises makes the others fail within it.
+        devices: this worker's devices, one per local replica. Default: CUDA
+            devices ``LOCAL_RANK * replicas_per_worker + i`` (mod the count)
+            when CUDA is available and the backend is not gloo, else the CPU.
+        check_collectives: before every collective, compare every replica's
+            call across workers and raise CollectiveMismatchError listing them
+            on a mismatch (env CROSSREPLICA_CHECK_COLLECTIVES=1). Costs one
+            small collective per collective.
+        ordered_reductions: reduce floating-point values in ascending replica id,
+            exactly as the in-process engine does, so results are bitwise the same
+            as with MirroredStrategy (default). This gathers every member's tensor
+            for groups of three or more replicas; False uses the backend's ring
+            all-reduce instead (less traffic with many workers, results equal up to
+            rounding). Groups of two replicas, integers, bool, MAX and MIN are exact
+            either way.
+    """
+
+    def __init__(self, replicas_per_worker: int = 1, backend: str | None = None,
+                 timeout_seconds: float | None = None, *, devices: Sequence[Any] | None = None,
+                 check_collectives: bool | None = None, cross_device_ops: Any = None,
+                 ordered_reductions: bool = True):
+        if isinstance(replicas_per_worker, bool) or not isinstance(replicas_per_worker, int) \
+                or replicas_per_worker < 1:
+            raise ValueError(f"replicas_per_worker must be a positive int; got {replicas_per_worker!r}")
+        if backend is not None and backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {list(_BACKENDS)} or None (automatic); got {backend!r}")
+        timeout = DEFAULT_TIMEOUT if timeout_seconds is None else timeout_seconds
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout_seconds must be a positive number; got {timeout_seconds!r}")
+        timeout = float(timeout)
+        if check_collectives is None:
+            check_collectives = _truthy(os.environ.get("CROSSREPLICA_CHECK_COLLECTIVES"))
+        local_rank = _env_int("LOCAL_RANK", 0) or 0
+        devs = self._devices(replicas_per_worker, backend, devices, local_rank)
+        on_cuda = devs[0].type == "cuda"
+        if backend is None:
+            backend = "nccl" if on_cuda else "gloo"
+        if backend == "nccl" and not on_cuda:
+            raise ValueError("backend='nccl' needs the replicas on CUDA devices; use backend='gloo' on CPU")
+        self._owns_process_group = self._init_process_group(backend, timeout)
+        comm = None
+        if str(dist.get_backend()) == "nccl":
+            torch.cuda.set_device(devs[0])
+            comm = devs[0]
+        engine_cls = TorchDistEngine if replicas_per_worker == 1 else HierarchicalEngine
+        engine = engine_cls(devs, timeout, check_collectives=bool(check_collectives), comm_device=comm,
+                            ordered_reductions=bool(ordered_reductions))
+        self.extended = MultiWorkerExtended(self, devs, engine, cross_device_ops)
+        if str(dist.get_backend()) == "nccl":
+            engine.barrier("set-up")  # creates the communicators with every rank present
+
+    @staticmethod
+    def _devices(r: int, backend: str | None, devices: Sequence[Any] | None,
+                 local_rank: int) -> list[torch.device]:
+        if devices is not None:
+            if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence) \
+                    or len(devices) != r:
+                raise ValueError(
+                    f"devices must be a list with one device per local replica ({r}, from "
+                    f"replicas_per_worker); got {devices!r}")
+            devs = [canonical_device(d, f"devices[{i}]") for i, d in enumerate(devices)]
+            if len({d.type for d in devs}) != 1:
+                raise ValueError(f"devices must all be CPU or all CUDA; got {devices!r}")
+            return devs
+        if backend != "gloo" and torch.cuda.is_available() and torch.cuda.device_count():
+            n = torch.cuda.device_count()
+            return [torch.device("cuda", (local_rank * r + i) % n) for i in range(r)]
+        return [torch.device("cpu")] * r
+
+    @staticmethod
+    def _init_process_group(backend: str, timeout: float) -> bool:
+        """Initialises torch.distributed from the launcher environment unless the user did."""
+        if not dist.is_available():
+            raise RuntimeError("MultiWorkerMirroredStrategy needs torch.distributed, which this "
+                               "PyTorch build lacks")
+        if dist.is_initialized():
+            return False
+        td = datetime.timedelta(seconds=timeout)
+        world = _env_int("WORLD_SIZE")
+        rank = _env_int("RANK")
+        if world is None and rank is None:
+            # No launcher: a single worker, so the same script runs as `python script.py`.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
+            return True
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+        if missing:
+            raise ValueError(
+                f"MultiWorkerMirroredStrategy reads the torchrun environment, but {missing} "
+                f"{'is' if len(missing) == 1 else 'are'} not set; launch with "
+                f"`torchrun --nproc-per-node=2 script.py` (or set RANK, WORLD_SIZE, MASTER_ADDR, "
+                f"MASTER_PORT yourself)")
+        if not 0 <= rank < world:
+            raise ValueError(f"RANK={rank} must be in [0, WORLD_SIZE={world})")
+        port = _env_int("MASTER_PORT")
+        if not 0 < port < 65536:
+            raise ValueError(f"MASTER_PORT={port} must be a TCP port in 1..65535")
+        # torchrun's agent keeps one store across restarts; keys of a previous attempt (gloo's
+        # listening addresses among them) would be read as current, so each attempt gets a prefix.
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], port, world_size=world,
+                              is_master=(rank == 0 and not agent_store), timeout=td,
+                              wait_for_workers=False)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        store = dist.PrefixStore(f"crossreplica/{run_id}/attempt{attempt}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=td)
+        return True
+
+    def close(self) -> None:
+        """Releases subgroups and, if this strategy created it, the process group."""
+        self.extended.engine.close()
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_process_group = False
+
+    def __repr__(self) -> str:
+        e = self.extended.engine
+        return (f"MultiWorkerMirroredStrategy(num_replicas_in_sync={e.num_replicas}, worker_rank={e.rank}, "
+                f"num_workers={e.world_size}, local_replicas={list(e.local_replica_ids)}, "
+                f"devices={[str(d) for d in self.extended.worker_devices]}, backend={e.backend})")

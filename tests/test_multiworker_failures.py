@@ -1,0 +1,116 @@
+"""Failure behaviour across processes: a worker that raises, dies, hangs or calls a
+different collective makes every other worker fail promptly with an error that
+names the collective and the culprit, never a silent hang.
+
+Workers are launched directly (RANK/WORLD_SIZE/MASTER_* on an OS-chosen port),
+not through torchrun, whose agent would kill the survivors as soon as one
+worker exits, before they could report what they saw.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import crossreplica as cr
+from harness_processes import launch
+
+pytestmark = pytest.mark.multiprocess
+
+COLLECTIVE_TIMEOUT = 60.0  # failures must be reported long before this
+
+
+def raise_on_last(x: torch.Tensor) -> torch.Tensor:
+    y = cr.all_reduce(x, "sum")
+    if cr.replica_id() == cr.num_replicas() - 1:
+        raise ValueError("boom from the last replica")
+    return cr.all_reduce(y, "sum")
+
+
+@pytest.mark.parametrize("n,rpw", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
+def test_raising_worker_releases_the_others(n, rpw):
+    out = launch(raise_on_last, n, [torch.ones(3)] * n, replicas_per_worker=rpw, launcher="direct",
+                 timeout=90, collective_timeout=COLLECTIVE_TIMEOUT)
+    assert set(out.errors) == {0, 1}, out.log[-3000:]
+    culprit = out.errors[1]
+    assert "ValueError" in culprit["mro"] and "boom from the last replica" in culprit["message"]
+    survivor = out.errors[0]
+    assert "ReplicaError" in survivor["mro"], survivor
+    assert f"replica {n - 1} raised ValueError: boom" in survivor["message"]
+    assert "worker rank 1" in survivor["message"] and "all_reduce" in survivor["message"]
+    assert survivor["elapsed"] < COLLECTIVE_TIMEOUT / 2, survivor  # released, not timed out
+
+
+def die_on_rank1(x: torch.Tensor) -> torch.Tensor:
+    y = cr.all_reduce(x, "sum")
+    if cr.replica_id() == 1:
+        os._exit(3)  # a crash: no exception, no clean-up
+    return cr.all_gather(y, 0)
+
+
+def test_dead_worker_fails_the_others_promptly():
+    out = launch(die_on_rank1, 2, [torch.ones(3)] * 2, launcher="direct", timeout=90,
+                 collective_timeout=COLLECTIVE_TIMEOUT)
+    assert out.returncodes[1] == 3
+    survivor = out.errors[0]
+    assert "WorkerFailedError" in survivor["mro"], survivor
+    assert "all_gather" in survivor["message"] and "worker ranks [1]" in survivor["message"], survivor
+    assert survivor["elapsed"] < COLLECTIVE_TIMEOUT / 2, survivor
+
+
+def hang_on_rank1(x: torch.Tensor) -> torch.Tensor:
+    y = cr.all_reduce(x, "sum")
+    if cr.replica_id() == 1:
+        time.sleep(5)  # alive, but never reaches the next collective in time
+        return y
+    return cr.all_reduce(y, "max")
+
+
+def test_missing_worker_times_out_naming_it():
+    out = launch(hang_on_rank1, 2, [torch.ones(3)] * 2, launcher="direct", timeout=90,
+                 collective_timeout=2.0)
+    survivor = out.errors[0]
+    assert "CollectiveTimeoutError" in survivor["mro"], survivor
+    assert "all_reduce(op=max" in survivor["message"] and "worker ranks [1]" in survivor["message"]
+    assert survivor["elapsed"] < 5, survivor
+
+
+def mismatched_shapes(x: torch.Tensor) -> torch.Tensor:
+    cr.all_reduce(x, "sum")  # agreed
+    return cr.all_reduce(torch.ones(4 + cr.replica_id() // 2), "sum")
+
+
+@pytest.mark.parametrize("n,rpw", [(4, 2)], ids=["2x2"])
+def test_mismatched_shapes_with_checking(n, rpw):
+    out = launch(mismatched_shapes, n, [torch.ones(2)] * n, replicas_per_worker=rpw, launcher="direct",
+                 timeout=90, collective_timeout=COLLECTIVE_TIMEOUT, check_collectives=True)
+    assert set(out.errors) == {0, 1}, out.log[-3000:]
+    for rank, err in out.errors.items():
+        assert "CollectiveMismatchError" in err["mro"], err
+        msg = err["message"]
+        for r in range(n):
+            shape = [4 + r // 2]
+            assert f"replica {r}: all_reduce(op=sum, groups=[[0, 1, 2, 3]], shapes=[{shape}]" in msg, msg
+        assert "cross-process call #2" in msg
+        assert err["elapsed"] < COLLECTIVE_TIMEOUT / 2
+
+
+def fewer_calls_on_rank1(x: torch.Tensor) -> torch.Tensor:
+    y = cr.all_reduce(x, "sum")
+    if cr.replica_id() == 1:
+        return y  # returns while replica 0 makes one more collective
+    return cr.all_gather(y, 0)
+
+
+def test_different_number_of_calls_with_checking():
+    out = launch(fewer_calls_on_rank1, 2, [torch.ones(2)] * 2, launcher="direct", timeout=90,
+                 collective_timeout=COLLECTIVE_TIMEOUT, check_collectives=True)
+    assert set(out.errors) == {0, 1}, out.log[-3000:]
+    for err in out.errors.values():
+        assert "CollectiveMismatchError" in err["mro"], err
+        assert "replica 0: all_gather(dim=[0, 0]" in err["message"], err["message"]
+        assert "replica 1: <returned from the replica function>" in err["message"], err["message"]
+        assert err["elapsed"] < COLLECTIVE_TIMEOUT / 2
