@@ -54,6 +54,7 @@ from ..errors import CollectiveMismatchError, CollectiveTimeoutError, CrossRepli
 from ..groups import Groups
 from ..reduce_op import ReduceOp
 from .base import Call, Engine
+from .buffer_pool import BufferPool
 from .threads import check_agreement, reduce_into
 
 __all__ = ["TorchDistEngine", "WorkerFailedError"]
@@ -155,6 +156,9 @@ class TorchDistEngine(Engine):
         #: reduce floating point in ascending replica id (exactly the in-process results) rather
         #: than with the backend's ring; matters only for groups of three replicas or more
         self.ordered_reductions = ordered_reductions
+        # The one-local-replica all-reduce works in place on its own copy of the
+        # input: reused buffers spare the page faults of a fresh one each call.
+        self._pool = BufferPool(max_buffers=8)
 
     @staticmethod
     def _default_store() -> Any:
@@ -336,7 +340,7 @@ class TorchDistEngine(Engine):
                         continue
                     xs = [payloads[idx[r]][t] for r in local]
                     if len(xs) == 1:  # our own copy: the collective works in place
-                        p = xs[0].to(self.comm_device, copy=True)
+                        p = self._pool.empty(tuple(xs[0].shape), xs[0].dtype, self.comm_device).copy_(xs[0])
                     else:
                         xs = [x.to(self.comm_device) for x in xs]
                         p = reduce_into(local_op, torch.empty_like(xs[0], memory_format=torch.contiguous_format), xs)
