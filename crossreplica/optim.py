@@ -1,0 +1,306 @@
+"""CrossShardOptimizer: keeps replicas in sync by reducing gradients before each step.
+
+Design. The wrapper is a real :class:`torch.optim.Optimizer` that owns no
+state of its own: ``param_groups``, ``state``, ``defaults``, ``state_dict``
+and friends are the wrapped optimizer's. ``step()`` first reduces every
+non-None gradient over the replica group, then steps the wrapped optimizer,
+so every replica applies the same update to its own copy of the parameters.
+
+Dense gradients are fused into packs per (device, dtype): each pack is one
+flat buffer, and the whole list of buffers travels in ONE engine call (one
+rendezvous of the replicas). The reduction is elementwise, so a fused
+reduction is bitwise identical to reducing every gradient on its own.
+Sparse gradients (``nn.Embedding(sparse=True)``) are reduced by gathering
+every replica's indices and values and coalescing.
+
+Uneven batches. With ``reduction="mean"`` every replica's gradient counts
+equally, which is the global mean when every replica saw as many rows. When
+they did not (the last batch of an epoch split by ``distribute_dataset``),
+pass ``weight=`` (the replica's row count, ``x.shape[0]``) to ``step`` or
+``synchronize``: the result is ``sum_r w_r g_r / sum_r w_r``, which is the
+exact gradient of the mean loss over the concatenated global batch when each
+replica's loss is the mean over its own rows.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+
+from .context import require_replica_context
+from .engines.base import Call
+from .groups import Groups, group_of, resolve_groups
+from .packing import flatten_pack, plan_packs, unflatten_pack_
+from .reduce_op import ReduceOp
+
+__all__ = ["CrossShardOptimizer", "DEFAULT_BYTES_PER_PACK"]
+
+#: Default upper bound on the bytes of one fused gradient pack.
+DEFAULT_BYTES_PER_PACK = 16 * 1024 * 1024
+
+_VALID_REDUCTIONS = (ReduceOp.MEAN, ReduceOp.SUM)
+
+
+def _canonical_reduction(reduction: Any) -> ReduceOp:
+    op = None
+    if isinstance(reduction, ReduceOp):
+        op = reduction
+    elif isinstance(reduction, str):
+        op = ReduceOp.__members__.get(reduction.upper())
+    if op not in _VALID_REDUCTIONS:
+        raise ValueError(
+            f"reduction must be one of 'mean', 'sum' (or cr.ReduceOp.MEAN / SUM); got {reduction!r}")
+    return op
+
+
+def _canonical_weight(weight: Any) -> float:
+    if isinstance(weight, torch.Tensor):
+        if weight.numel() != 1:
+            raise ValueError(f"weight must be a number (the replica's row count); got a tensor of "
+                             f"shape {list(weight.shape)}")
+        weight = weight.item()
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight) \
+            or weight < 0:
+        raise ValueError(
+            f"weight must be a finite number >= 0 (usually the replica's row count, x.shape[0]); "
+            f"got {weight!r}")
+    return float(weight)
+
+
+class CrossShardOptimizer(torch.optim.Optimizer):
+    """An optimizer that reduces gradients across replicas, then steps ``optimizer``.
+
+    Args:
+        optimizer: the torch optimizer over this replica's parameters.
+        reduction: ``"mean"`` (default) or ``"sum"`` of the gradients over the group.
+        group_assignment: replicas that reduce together (see ``cr.all_reduce``);
+            None is every replica in sync.
+        bytes_per_pack: the most bytes fused into one flat buffer per
+            (device, dtype); larger gradients travel alone.
+
+    Raises:
+        TypeError: ``optimizer`` is not a torch optimizer.
+        ValueError: ``reduction`` is not mean/sum, or ``bytes_per_pack`` is not
+            a positive int.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, reduction: ReduceOp | str = "mean",
+                 group_assignment: Any = None, bytes_per_pack: int = DEFAULT_BYTES_PER_PACK):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer (e.g. torch.optim.SGD(model.parameters(), "
+                f"lr=0.1)); got {type(optimizer).__name__}: {optimizer!r}")
+        if isinstance(optimizer, CrossShardOptimizer):
+            raise ValueError(
+                "optimizer is already a cr.CrossShardOptimizer; wrapping it again would reduce every "
+                "gradient twice")
+        if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int) or bytes_per_pack <= 0:
+            raise ValueError(f"bytes_per_pack must be a positive int (bytes); got {bytes_per_pack!r}")
+        self._optimizer = optimizer
+        self._reduction = _canonical_reduction(reduction)
+        self._group_assignment = group_assignment
+        self._bytes_per_pack = bytes_per_pack
+        self._groups_cache: tuple[int, Groups] | None = None
+        self._synchronized = False
+        # The hook tables torch.optim.Optimizer.__init__ would create; the
+        # parameters themselves stay with the wrapped optimizer.
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
+
+    # ------------------------------------------------------------ delegation
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped optimizer."""
+        return self._optimizer
+
+    @property
+    def reduction(self) -> ReduceOp:
+        return self._reduction
+
+    @property
+    def bytes_per_pack(self) -> int:
+        return self._bytes_per_pack
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self._optimizer.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self._optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._optimizer.state = value
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self._optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self._optimizer.defaults = value
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict."""
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads into the wrapped optimizer."""
+        self._optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a parameter group to the wrapped optimizer."""
+        self._optimizer.add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the gradients (and forgets an earlier :meth:`synchronize`)."""
+        self._synchronized = False
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return (f"CrossShardOptimizer({self._optimizer!r}, reduction={self._reduction}, "
+                f"group_assignment={self._group_assignment!r}, bytes_per_pack={self._bytes_per_pack})")
+
+    # ------------------------------------------------------------ stepping
+
+    def step(self, closure: Callable[[], Any] | None = None, *, weight: Any = None) -> Any:  # type: ignore[override]
+        """Reduces the gradients over the group (unless :meth:`synchronize` already
+        did) and steps the wrapped optimizer.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (run before the
+                reduction, with gradients enabled).
+            weight: this replica's weight in the mean, usually its row count;
+                see the module docstring. Only with ``reduction="mean"``.
+
+        Raises:
+            cr.ReplicaContextError: called outside a replica function.
+        """
+        require_replica_context("CrossShardOptimizer.step")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._synchronized:
+            self._reduce_gradients(weight)
+        self._synchronized = False
+        self._optimizer.step()
+        return loss
+
+    def synchronize(self, *, weight: Any = None) -> None:
+        """Reduces the gradients in place without stepping (clip them after this).
+
+        The next :meth:`step` then steps without reducing again.
+        """
+        require_replica_context("CrossShardOptimizer.synchronize")
+        if self._synchronized:
+            raise RuntimeError(
+                "CrossShardOptimizer.synchronize was called twice without step() or zero_grad() in "
+                "between; the gradients are already reduced")
+        self._reduce_gradients(weight)
+        self._synchronized = True
+
+    def _groups(self, num_replicas: int) -> Groups:
+        cached = self._groups_cache
+        if cached is not None and cached[0] == num_replicas:
+            return cached[1]
+        groups = resolve_groups(num_replicas, self._group_assignment)
+        self._groups_cache = (num_replicas, groups)
+        return groups
+
+    def _params_with_grad(self) -> list[torch.Tensor]:
+        seen: set[int] = set()
+        out = []
+        for group in self._optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def _reduce_gradients(self, weight: Any) -> None:
+        rctx = require_replica_context("CrossShardOptimizer.step")
+        rid = rctx.replica_id_in_sync_group
+        groups = self._groups(rctx.num_replicas_in_sync)
+        group_size = len(group_of(groups, rid))
+        weighted = weight is not None
+        if weighted:
+            if self._reduction is not ReduceOp.MEAN:
+                raise ValueError(
+                    f"weight={weight!r} is only used with reduction='mean'; this optimizer sums "
+                    f"(reduction='sum'), so leave weight out")
+            w = _canonical_weight(weight)
+        params = self._params_with_grad()
+        dense = [p for p in params if not p.grad.is_sparse]
+        sparse = [p for p in params if p.grad.is_sparse]
+        if not dense and not sparse:
+            return
+        total_weight = None
+        if dense or weighted:
+            grads = [p.grad for p in dense]
+            packs = plan_packs(grads, self._bytes_per_pack)
+            buffers = []
+            for pack in packs:
+                buf = flatten_pack([grads[i] for i in pack])
+                if weighted:
+                    # 0 * nan is nan: a replica without rows contributes exact zeros.
+                    buf = buf * w if w > 0 else torch.zeros_like(buf)
+                buffers.append(buf)
+            if weighted:
+                buffers.append(torch.tensor([w], dtype=torch.float64))
+            outs = rctx.engine.execute(rid, Call.of("all_reduce", groups, (ReduceOp.SUM,), buffers), buffers)
+            if weighted:
+                total_weight = float(outs[-1].item())
+                outs = outs[:-1]
+                if total_weight <= 0:
+                    raise ValueError(
+                        f"the weights of the replicas in this group sum to {total_weight}; at least one "
+                        f"replica must pass weight > 0 (its row count)")
+            divisor = total_weight if weighted else (group_size if self._reduction is ReduceOp.MEAN else None)
+            for pack, out in zip(packs, outs):
+                if divisor is not None:
+                    out.div_(divisor)
+                unflatten_pack_(out, [grads[i] for i in pack])
+        if sparse:
+            self._reduce_sparse(rctx, groups, sparse, w if weighted else None,
+                                total_weight if weighted else
+                                (group_size if self._reduction is ReduceOp.MEAN else None))
+
+    def _reduce_sparse(self, rctx: Any, groups: Groups, params: list[torch.Tensor], w: float | None,
+                       divisor: float | None) -> None:
+        from .collectives import all_gather
+        leaves = []
+        for p in params:
+            g = p.grad
+            values = g._values()
+            if w is not None:
+                values = values * w if w > 0 else torch.zeros_like(values)
+            leaves.append(g._indices().t().contiguous())
+            leaves.append(values.contiguous())
+        gathered = all_gather(leaves, 0, groups)
+        for i, p in enumerate(params):
+            indices, values = gathered[2 * i].t(), gathered[2 * i + 1]
+            if divisor is not None:
+                values = values / divisor
+            p.grad = torch.sparse_coo_tensor(indices, values, p.grad.shape).coalesce()
