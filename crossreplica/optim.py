@@ -34,7 +34,7 @@ import torch
 from .context import require_replica_context
 from .engines.base import Call
 from .groups import Groups, group_of, resolve_groups
-from .packing import flatten_pack, plan_packs, unflatten_pack_
+from .packing import PackedBuffers
 from .reduce_op import ReduceOp
 
 __all__ = ["CrossShardOptimizer", "DEFAULT_BYTES_PER_PACK"]
@@ -105,6 +105,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         self._group_assignment = group_assignment
         self._bytes_per_pack = bytes_per_pack
         self._groups_cache: tuple[int, Groups] | None = None
+        self._pack_cache: tuple[tuple, PackedBuffers] | None = None
         self._synchronized = False
         # The hook tables torch.optim.Optimizer.__init__ would create; the
         # parameters themselves stay with the wrapped optimizer.
@@ -229,15 +230,29 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         self._groups_cache = (num_replicas, groups)
         return groups
 
-    def _params_with_grad(self) -> list[torch.Tensor]:
+    def _collect(self) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple]:
+        """(dense grads, params with sparse grads, the layout key of the dense grads)."""
         seen: set[int] = set()
-        out = []
+        dense, sparse, key = [], [], []
         for group in self._optimizer.param_groups:
             for p in group["params"]:
-                if p.grad is not None and id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-        return out
+                g = p.grad
+                if g is None or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                if g.is_sparse:
+                    sparse.append(p)
+                else:
+                    dense.append(g)
+                    key.append((id(p), g.shape, g.dtype, g.device))
+        return dense, sparse, tuple(key)
+
+    def _packed(self, grads: list[torch.Tensor], key: tuple) -> PackedBuffers:
+        cached = self._pack_cache
+        if cached is None or cached[0] != key:
+            cached = (key, PackedBuffers(grads, self._bytes_per_pack))
+            self._pack_cache = cached
+        return cached[1]
 
     def _reduce_gradients(self, weight: Any) -> None:
         rctx = require_replica_context("CrossShardOptimizer.step")
@@ -251,23 +266,21 @@ class CrossShardOptimizer(torch.optim.Optimizer):
                     f"weight={weight!r} is only used with reduction='mean'; this optimizer sums "
                     f"(reduction='sum'), so leave weight out")
             w = _canonical_weight(weight)
-        params = self._params_with_grad()
-        dense = [p for p in params if not p.grad.is_sparse]
-        sparse = [p for p in params if p.grad.is_sparse]
-        if not dense and not sparse:
+        grads, sparse, key = self._collect()
+        if not grads and not sparse:
             return
         total_weight = None
-        if dense or weighted:
-            grads = [p.grad for p in dense]
-            packs = plan_packs(grads, self._bytes_per_pack)
-            buffers = []
-            for pack in packs:
-                buf = flatten_pack([grads[i] for i in pack])
-                if weighted:
-                    # 0 * nan is nan: a replica without rows contributes exact zeros.
-                    buf = buf * w if w > 0 else torch.zeros_like(buf)
-                buffers.append(buf)
+        if grads or weighted:
+            packed = self._packed(grads, key)
+            buffers = packed.pack(grads)
             if weighted:
+                # 0 * nan is nan: a replica without rows contributes exact zeros.
+                for i, buf in enumerate(buffers):
+                    own = packed.buffers[i] is not None
+                    if w > 0:
+                        buffers[i] = buf.mul_(w) if own else buf * w
+                    else:
+                        buffers[i] = buf.zero_() if own else torch.zeros_like(buf)
                 buffers.append(torch.tensor([w], dtype=torch.float64))
             outs = rctx.engine.execute(rid, Call.of("all_reduce", groups, (ReduceOp.SUM,), buffers), buffers)
             if weighted:
@@ -278,10 +291,10 @@ class CrossShardOptimizer(torch.optim.Optimizer):
                         f"the weights of the replicas in this group sum to {total_weight}; at least one "
                         f"replica must pass weight > 0 (its row count)")
             divisor = total_weight if weighted else (group_size if self._reduction is ReduceOp.MEAN else None)
-            for pack, out in zip(packs, outs):
-                if divisor is not None:
+            if divisor is not None:
+                for out in outs:
                     out.div_(divisor)
-                unflatten_pack_(out, [grads[i] for i in pack])
+            packed.unpack_(outs, grads)
         if sparse:
             self._reduce_sparse(rctx, groups, sparse, w if weighted else None,
                                 total_weight if weighted else

@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import torch
 
+try:  # one C++ call per pack instead of a Python loop over its tensors (DDP uses them too)
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+except ImportError:  # pragma: no cover - very old or future torch
+    _flatten_dense_tensors = _unflatten_dense_tensors = None
+
 __all__ = ["plan_packs", "flatten_pack", "unflatten_pack_"]
 
 
@@ -41,13 +46,73 @@ def flatten_pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     """One flat buffer holding ``tensors`` back to back (a view when there is one)."""
     if len(tensors) == 1:
         return tensors[0].reshape(-1)
+    if _flatten_dense_tensors is not None:
+        return _flatten_dense_tensors(tensors)
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def unflatten_pack_(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     """Copies consecutive slices of ``flat`` back into ``tensors``, in place."""
+    if len(tensors) == 1:
+        tensors[0].copy_(flat.view_as(tensors[0]))
+        return
+    if _unflatten_dense_tensors is not None:
+        torch._foreach_copy_(tensors, _unflatten_dense_tensors(flat, tensors))
+        return
     offset = 0
     for t in tensors:
         n = t.numel()
         t.copy_(flat[offset:offset + n].view_as(t))
         offset += n
+
+
+class PackedBuffers:
+    """Persistent flat buffers for a fixed list of tensor shapes: one per pack,
+    with a view per tensor made once, so packing and unpacking a step's
+    tensors are one ``_foreach_copy_`` per pack and allocate nothing.
+
+    A pack of a single tensor has no buffer: the tensor's own flat view travels.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor], bytes_per_pack: int):
+        self.packs = plan_packs(tensors, bytes_per_pack)
+        self.buffers: list[torch.Tensor | None] = []
+        self.views: list[list[torch.Tensor] | None] = []
+        for pack in self.packs:
+            if len(pack) == 1:
+                self.buffers.append(None)
+                self.views.append(None)
+                continue
+            first = tensors[pack[0]]
+            total = sum(tensors[i].numel() for i in pack)
+            buf = torch.empty(total, dtype=first.dtype, device=first.device)
+            views, offset = [], 0
+            for i in pack:
+                n = tensors[i].numel()
+                views.append(buf[offset:offset + n].view(tensors[i].shape))
+                offset += n
+            self.buffers.append(buf)
+            self.views.append(views)
+
+    def pack(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The flat buffers holding ``tensors`` (same shapes as at construction)."""
+        out = []
+        for pack, buf, views in zip(self.packs, self.buffers, self.views):
+            if buf is None:
+                out.append(tensors[pack[0]].reshape(-1))
+            else:
+                torch._foreach_copy_(views, [tensors[i] for i in pack])
+                out.append(buf)
+        return out
+
+    def unpack_(self, flats: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+        """Copies each flat result back into ``tensors``, in place."""
+        for pack, buf, views, flat in zip(self.packs, self.buffers, self.views, flats):
+            if buf is None:
+                t = tensors[pack[0]]
+                if flat.data_ptr() != t.data_ptr():
+                    t.copy_(flat.view_as(t))
+            else:
+                if flat is not buf:
+                    buf.copy_(flat)
+                torch._foreach_copy_([tensors[i] for i in pack], views)
