@@ -282,7 +282,10 @@ class CrossShardOptimizer(torch.optim.Optimizer):
                     else:
                         buffers[i] = buf.zero_() if own else torch.zeros_like(buf)
                 buffers.append(torch.tensor([w], dtype=torch.float64))
-            outs = rctx.engine.execute(rid, Call.of("all_reduce", groups, (ReduceOp.SUM,), buffers), buffers)
+            # An unweighted mean lets the engine divide while each block is hot in cache; that
+            # is the same sum-then-divide, so bitwise the result of cr.all_reduce(g, "mean").
+            op = ReduceOp.MEAN if self._reduction is ReduceOp.MEAN and not weighted else ReduceOp.SUM
+            outs = rctx.engine.execute(rid, Call.of("all_reduce", groups, (op,), buffers), buffers)
             if weighted:
                 total_weight = float(outs[-1].item())
                 outs = outs[:-1]
@@ -290,10 +293,8 @@ class CrossShardOptimizer(torch.optim.Optimizer):
                     raise ValueError(
                         f"the weights of the replicas in this group sum to {total_weight}; at least one "
                         f"replica must pass weight > 0 (its row count)")
-            divisor = total_weight if weighted else (group_size if self._reduction is ReduceOp.MEAN else None)
-            if divisor is not None:
                 for out in outs:
-                    out.div_(divisor)
+                    out.div_(total_weight)
             packed.unpack_(outs, grads)
         if sparse:
             self._reduce_sparse(rctx, groups, sparse, w if weighted else None,

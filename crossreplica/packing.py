@@ -16,7 +16,11 @@ try:  # one C++ call per pack instead of a Python loop over its tensors (DDP use
 except ImportError:  # pragma: no cover - very old or future torch
     _flatten_dense_tensors = _unflatten_dense_tensors = None
 
-__all__ = ["plan_packs", "flatten_pack", "unflatten_pack_"]
+__all__ = ["plan_packs", "flatten_pack", "unflatten_pack_", "PackedBuffers"]
+
+# Elements per tensor above which making a view of a result beats copying it
+# into the persistent buffer (a view costs microseconds, 16K floats about as much).
+_VIEWS_OVER_COPY = 16 * 1024
 
 
 def plan_packs(tensors: list[torch.Tensor], bytes_per_pack: int) -> list[list[int]]:
@@ -112,7 +116,12 @@ class PackedBuffers:
                 t = tensors[pack[0]]
                 if flat.data_ptr() != t.data_ptr():
                     t.copy_(flat.view_as(t))
+            elif flat is buf:
+                torch._foreach_copy_([tensors[i] for i in pack], views)
+            elif _unflatten_dense_tensors is not None and flat.numel() >= len(pack) * _VIEWS_OVER_COPY:
+                # Few large tensors: fresh views of the result cost less than copying it into buf.
+                members = [tensors[i] for i in pack]
+                torch._foreach_copy_(members, _unflatten_dense_tensors(flat, members))
             else:
-                if flat is not buf:
-                    buf.copy_(flat)
+                buf.copy_(flat)
                 torch._foreach_copy_([tensors[i] for i in pack], views)

@@ -434,3 +434,43 @@ def test_bad_group_assignment_at_step():
 
     with pytest.raises(ValueError, match="group_assignment"):
         s.run(body, args=(model,))
+
+
+# ------------------------------------------------------------------ packing
+
+@pytest.mark.parametrize("bytes_per_pack", [1, 4096, 1 << 20])
+def test_packed_buffers_roundtrip(bytes_per_pack):
+    from crossreplica.packing import PackedBuffers
+    torch.manual_seed(9)
+    tensors = [torch.randn(40_000), torch.randn(3, 5), torch.randn(20_000, 2).t(), torch.randn(7),
+               torch.randn(2, dtype=torch.float64), torch.randn(30_000)]
+    packed = PackedBuffers(tensors, bytes_per_pack)
+    flats = packed.pack(tensors)
+    assert sum(f.numel() for f in flats) == sum(t.numel() for t in tensors)
+    # results as a fresh tensor (the engine's output) and as the buffer itself
+    for results in ([f * 2 for f in flats], [f.mul_(2) if b is not None else f * 2
+                                            for f, b in zip(flats, packed.buffers)]):
+        outs = [torch.empty_like(t) for t in tensors]
+        packed.unpack_(results, outs)
+        for o, t in zip(outs, tensors):
+            assert torch.equal(o, t * 2)
+
+
+def test_dtype_change_rebuilds_the_packs():
+    s = strategy(2)
+    model = s.mirror(make_net())
+
+    def step(m, x):
+        opt = CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.1))
+        for dtype in (torch.float32, torch.float64):
+            m.to(dtype)
+            opt.zero_grad()
+            m(x.to(dtype)).sum().backward()
+            opt.synchronize()
+            opt.step()
+        return [p.grad.dtype for p in m.parameters()]
+
+    out = s.run(step, args=(model, cr.PerReplica([torch.randn(2, 6), torch.randn(2, 6)])))
+    assert all(d is torch.float64 for d in out)  # the same object on both replicas: not wrapped
+    a, b = model.values
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
