@@ -7,7 +7,8 @@ non-None gradient over the replica group, then steps the wrapped optimizer,
 so every replica applies the same update to its own copy of the parameters.
 
 Dense gradients are fused into packs per (device, dtype): each pack is one
-flat buffer, and the whole list of buffers travels in ONE engine call (one
+flat buffer (persistent, reused every step), large gradients travel as
+themselves, and the whole list of buffers goes in ONE engine call (one
 rendezvous of the replicas). The reduction is elementwise, so a fused
 reduction is bitwise identical to reducing every gradient on its own.
 Sparse gradients (``nn.Embedding(sparse=True)``) are reduced by gathering
@@ -40,7 +41,10 @@ from .reduce_op import ReduceOp
 __all__ = ["CrossShardOptimizer", "DEFAULT_BYTES_PER_PACK"]
 
 #: Default upper bound on the bytes of one fused gradient pack.
-DEFAULT_BYTES_PER_PACK = 16 * 1024 * 1024
+DEFAULT_BYTES_PER_PACK = 4 * 1024 * 1024
+#: Gradients at least this large are not copied into a pack: they travel as
+#: their own buffer in the same engine call (packing pays for small tensors).
+ALONE_BYTES = 256 * 1024
 
 _VALID_REDUCTIONS = (ReduceOp.MEAN, ReduceOp.SUM)
 
@@ -80,7 +84,8 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         group_assignment: replicas that reduce together (see ``cr.all_reduce``);
             None is every replica in sync.
         bytes_per_pack: the most bytes fused into one flat buffer per
-            (device, dtype); larger gradients travel alone.
+            (device, dtype); gradients larger than this, or than 256 KiB,
+            travel as their own buffer (no copy), still in the same engine call.
 
     Raises:
         TypeError: ``optimizer`` is not a torch optimizer.
@@ -250,7 +255,8 @@ class CrossShardOptimizer(torch.optim.Optimizer):
     def _packed(self, grads: list[torch.Tensor], key: tuple) -> PackedBuffers:
         cached = self._pack_cache
         if cached is None or cached[0] != key:
-            cached = (key, PackedBuffers(grads, self._bytes_per_pack))
+            cached = (key, PackedBuffers(grads, self._bytes_per_pack,
+                                         min(ALONE_BYTES, self._bytes_per_pack)))
             self._pack_cache = cached
         return cached[1]
 

@@ -23,10 +23,14 @@ __all__ = ["plan_packs", "flatten_pack", "unflatten_pack_", "PackedBuffers"]
 _VIEWS_OVER_COPY = 16 * 1024
 
 
-def plan_packs(tensors: list[torch.Tensor], bytes_per_pack: int) -> list[list[int]]:
+def plan_packs(tensors: list[torch.Tensor], bytes_per_pack: int,
+               alone_bytes: int | None = None) -> list[list[int]]:
     """Indices of ``tensors`` grouped into packs of one (device, dtype), each at
     most ``bytes_per_pack`` bytes (a larger tensor is a pack of its own).
 
+    With ``alone_bytes``, tensors at least that large also travel alone: their
+    own flat view goes to the engine, which saves copying them into a pack
+    (packing pays off for small tensors, whose per-tensor overhead dominates).
     Packs keep the order of first appearance, so every replica that passes the
     same shapes gets the same plan.
     """
@@ -35,6 +39,9 @@ def plan_packs(tensors: list[torch.Tensor], bytes_per_pack: int) -> list[list[in
     for i, t in enumerate(tensors):
         key = (t.device, t.dtype)
         nbytes = t.numel() * t.element_size()
+        if alone_bytes is not None and nbytes >= alone_bytes:
+            packs.append([i])
+            continue
         current = open_packs.get(key)
         if current is not None and current[1] + nbytes <= bytes_per_pack:
             current[0].append(i)
@@ -78,8 +85,8 @@ class PackedBuffers:
     A pack of a single tensor has no buffer: the tensor's own flat view travels.
     """
 
-    def __init__(self, tensors: list[torch.Tensor], bytes_per_pack: int):
-        self.packs = plan_packs(tensors, bytes_per_pack)
+    def __init__(self, tensors: list[torch.Tensor], bytes_per_pack: int, alone_bytes: int | None = None):
+        self.packs = plan_packs(tensors, bytes_per_pack, alone_bytes)
         self.buffers: list[torch.Tensor | None] = []
         self.views: list[list[torch.Tensor] | None] = []
         for pack in self.packs:
