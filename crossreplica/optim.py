@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from .context import require_replica_context
+from .context import get_strategy, has_strategy, require_replica_context
 from .engines.base import Call
 from .groups import Groups, group_of, resolve_groups
 from .packing import PackedBuffers
@@ -110,6 +110,8 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         self._group_assignment = group_assignment
         self._bytes_per_pack = bytes_per_pack
         self._groups_cache: tuple[int, Groups] | None = None
+        if group_assignment is not None and has_strategy():
+            self._groups(get_strategy().num_replicas_in_sync)  # a bad assignment fails here, not at step
         self._pack_cache: tuple[tuple, PackedBuffers] | None = None
         self._synchronized = False
         # The hook tables torch.optim.Optimizer.__init__ would create; the

@@ -474,3 +474,9 @@ def test_dtype_change_rebuilds_the_packs():
     assert all(d is torch.float64 for d in out)  # the same object on both replicas: not wrapped
     a, b = model.values
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_bad_group_assignment_at_construction_in_scope():
+    with strategy(4).scope():
+        with pytest.raises(ValueError, match="must cover replicas 0..3 exactly once"):
+            CrossShardOptimizer(torch.optim.SGD(make_net().parameters(), lr=0.1), group_assignment=[[0, 1], [1, 2]])
