@@ -12,6 +12,10 @@ one-device batch norm on the concatenated batch.
 
 In eval mode, outside a replica context, or in a group of one replica the
 layer is exactly ``torch.nn.BatchNorm{1,2,3}d``.
+
+Precision: the variance is E[x^2] - mean^2 in the input's dtype, as in the
+seeds. For float32 inputs whose per-channel mean is much larger than their
+spread (|mean| / std > ~100) that loses digits; normalise such inputs first.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ from typing import Any
 
 import torch
 from torch import nn as tnn
-from torch.nn import functional as F
 
 from .collectives import all_reduce
 from .context import get_replica_context
