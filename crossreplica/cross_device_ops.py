@@ -127,11 +127,12 @@ def _as_tensor(x: Any, argname: str) -> torch.Tensor:
     raise ValueError(f"{argname} must hold tensors (or Python numbers); got {type(x).__name__}: {x!r}")
 
 
-def _copies(t: torch.Tensor, devices: Sequence[torch.device]) -> Mirrored:
-    """One distinct copy of ``t`` per device (the first may be ``t`` itself)."""
+def _copies(t: torch.Tensor, devices: Sequence[torch.device], fresh: bool = True) -> Mirrored:
+    """One distinct copy of ``t`` per device; the first is ``t`` itself when ``fresh``
+    (a result we made) and on the right device, so no caller's tensor is handed back."""
     out = []
     for i, d in enumerate(devices):
-        if i == 0 and t.device == d:
+        if i == 0 and fresh and t.device == d:
             out.append(t)
         else:
             out.append(t.to(d, copy=True))
@@ -179,7 +180,7 @@ class CrossDeviceOps:
         if not isinstance(per_replica_value, DistributedValues):
             t = _as_tensor(per_replica_value, "per_replica_value")
             n = _strategy().num_replicas_in_sync
-            return _copies(reduce_non_distributed_value(op, t, n), devices)
+            return _copies(reduce_non_distributed_value(op, t, n), devices, fresh=False)
         values = _local_values(per_replica_value, "per_replica_value")
         for v in values:
             check_dtype(op, v.dtype, "per_replica_value")
@@ -218,7 +219,7 @@ class CrossDeviceOps:
             if not isinstance(value, DistributedValues):
                 t = _as_tensor(value, f"value_destination_pairs[{i}][0]")
                 n = _strategy().num_replicas_in_sync
-                results[i] = _copies(reduce_non_distributed_value(op, t, n), devices)
+                results[i] = _copies(reduce_non_distributed_value(op, t, n), devices, fresh=False)
                 continue
             values = _local_values(value, f"value_destination_pairs[{i}][0]")
             for v in values:
@@ -239,7 +240,7 @@ class CrossDeviceOps:
     def broadcast(self, tensor: Any, destinations: Any) -> Mirrored:
         """``tensor`` copied to every device of ``destinations``."""
         devices = get_devices_from(destinations)
-        return _copies(_as_tensor(tensor, "tensor"), devices)
+        return _copies(_as_tensor(tensor, "tensor"), devices, fresh=False)
 
     # ---------------------------------------------------------------- to implement
 

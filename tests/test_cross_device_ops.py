@@ -62,7 +62,7 @@ def test_reduce_non_distributed_value():
     t = torch.tensor([1.0, 2.0])
     with s.scope():
         out = cr.AllReduceCrossDeviceOps().reduce("mean", t, "cpu")
-        assert torch.equal(out.values[0], t)
+        assert torch.equal(out.values[0], t) and out.values[0] is not t
         with pytest.raises(ValueError, match="cannot be reduced with op=sum over 4 replicas"):
             cr.AllReduceCrossDeviceOps().reduce("sum", t, "cpu")
     with cr.OneDeviceStrategy().scope():
@@ -123,6 +123,8 @@ def test_broadcast(cls):
     assert isinstance(out, cr.Mirrored) and len(out.values) == 3
     assert all(torch.equal(v, torch.tensor([1.0, 2.0])) for v in out.values)
     assert len({id(v) for v in out.values}) == 3
+    t = torch.ones(2)
+    assert cls().broadcast(t, "cpu").values[0] is not t  # never the caller's own tensor
     assert torch.equal(cls().broadcast(3.0, "cpu").values[0], torch.tensor(3.0))
 
 

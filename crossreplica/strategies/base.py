@@ -206,8 +206,8 @@ class StrategyExtended:
         results = []
         with self._container.scope(), torch.no_grad():
             for i, v in enumerate(copies):
-                a = select_replica_mirrored(i, tuple(args)) if len(copies) > 1 else tuple(args)
-                kw = select_replica_mirrored(i, kwargs) if len(copies) > 1 else kwargs
+                a = select_replica_mirrored(i, tuple(args))
+                kw = select_replica_mirrored(i, kwargs)
                 device = getattr(v, "device", None)
                 if device is not None and device.type == "cuda":
                     with torch.cuda.device(device):
