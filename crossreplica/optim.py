@@ -14,6 +14,9 @@ reduction is bitwise identical to reducing every gradient on its own.
 Sparse gradients (``nn.Embedding(sparse=True)``) are reduced by gathering
 every replica's indices and values and coalescing.
 
+In a group of one replica (OneDeviceStrategy) the reduction is the identity
+and no engine call is made, so training is bitwise that of plain torch.
+
 Uneven batches. With ``reduction="mean"`` every replica's gradient counts
 equally, which is the global mean when every replica saw as many rows. When
 they did not (the last batch of an epoch split by ``distribute_dataset``),
@@ -274,6 +277,14 @@ class CrossShardOptimizer(torch.optim.Optimizer):
                     f"weight={weight!r} is only used with reduction='mean'; this optimizer sums "
                     f"(reduction='sum'), so leave weight out")
             w = _canonical_weight(weight)
+        if group_size == 1:
+            # Reducing over a group of one is the identity: no engine call, and the
+            # gradients stay bitwise those of plain torch (no multiply by w, divide by w).
+            if weighted and w <= 0:
+                raise ValueError(
+                    f"the weights of the replicas in this group sum to {w}; at least one replica must "
+                    f"pass weight > 0 (its row count)")
+            return
         grads, sparse, key = self._collect()
         if not grads and not sparse:
             return

@@ -243,7 +243,7 @@ def test_sparse_gradients(n):
         F.cross_entropy(ref(x), y).backward()
         ref_opt.step()
     g0 = s.experimental_local_results(grads)[0]
-    assert g0.is_sparse and g0.is_coalesced()
+    assert g0.is_sparse and (n == 1 or g0.is_coalesced())  # a group of one: untouched, as plain torch
     torch.testing.assert_close(g0.to_dense(), ref.emb.weight.grad.to_dense(), rtol=1e-5, atol=1e-6)
     copies = s.experimental_local_results(model)
     for p, q in zip(copies[0].parameters(), ref.parameters()):
