@@ -117,6 +117,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
             self._groups(get_strategy().num_replicas_in_sync)  # a bad assignment fails here, not at step
         self._pack_cache: tuple[tuple, PackedBuffers] | None = None
         self._synchronized = False
+        self._owner: tuple[int, int] | None = None
         # The hook tables torch.optim.Optimizer.__init__ would create; the
         # parameters themselves stay with the wrapped optimizer.
         self._optimizer_step_pre_hooks = OrderedDict()
@@ -265,8 +266,21 @@ class CrossShardOptimizer(torch.optim.Optimizer):
             self._pack_cache = cached
         return cached[1]
 
+    def _check_owner(self, rctx: Any) -> None:
+        """One optimizer per replica: sharing one would race on the same gradients."""
+        owner = (id(rctx.engine), rctx.replica_id_in_sync_group)
+        if self._owner is None or self._owner[0] != owner[0]:
+            self._owner = owner
+        elif self._owner != owner:
+            raise ValueError(
+                f"this CrossShardOptimizer is stepped by replica {self._owner[1]} and replica {owner[1]}; "
+                f"every replica needs its own optimizer over its own model copy, e.g. "
+                f"opts = strategy.run(lambda m: cr.CrossShardOptimizer(torch.optim.SGD(m.parameters(), "
+                f"lr=0.1)), args=(strategy.mirror(model),))")
+
     def _reduce_gradients(self, weight: Any) -> None:
         rctx = require_replica_context("CrossShardOptimizer.step")
+        self._check_owner(rctx)
         rid = rctx.replica_id_in_sync_group
         groups = self._groups(rctx.num_replicas_in_sync)
         group_size = len(group_of(groups, rid))

@@ -480,3 +480,29 @@ def test_bad_group_assignment_at_construction_in_scope():
     with strategy(4).scope():
         with pytest.raises(ValueError, match="must cover replicas 0..3 exactly once"):
             CrossShardOptimizer(torch.optim.SGD(make_net().parameters(), lr=0.1), group_assignment=[[0, 1], [1, 2]])
+
+
+def test_one_optimizer_shared_by_replicas_is_an_error():
+    s = strategy(2)
+    net = make_net()
+    shared = CrossShardOptimizer(torch.optim.SGD(net.parameters(), lr=0.1))
+
+    def body(opt):
+        opt.step()
+
+    with pytest.raises(ValueError, match="stepped by replica . and replica .; every replica needs its own"):
+        s.run(body, args=(shared,))
+
+
+def test_mismatched_gradients_across_replicas_raise_not_hang():
+    s = strategy(2)
+    model = s.mirror(make_net())
+
+    def body(m):
+        opt = CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.1))
+        if cr.replica_id() == 0:  # replica 1 has no gradients at all
+            m(torch.randn(2, 6)).sum().backward()
+        opt.step()
+
+    with pytest.raises(cr.CollectiveMismatchError):
+        s.run(body, args=(model,))
