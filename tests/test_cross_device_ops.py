@@ -238,3 +238,8 @@ def test_bad_reduction_to_one_device_arguments():
         cr.ReductionToOneDevice(accumulation_fn=3)
     with pytest.raises(ValueError, match="reduce_to_device must be a device"):
         cr.ReductionToOneDevice(reduce_to_device="nowhere")
+
+
+def test_strategy_rejects_bad_cross_device_ops():
+    with pytest.raises(ValueError, match="cross_device_ops must be a cr.CrossDeviceOps"):
+        cr.MirroredStrategy(2, cross_device_ops="nccl")

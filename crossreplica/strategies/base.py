@@ -39,6 +39,12 @@ class StrategyExtended:
         self._container_ref = weakref.ref(container)
         self.worker_devices = tuple(devices)
         self.engine = engine
+        if cross_device_ops is not None:
+            from ..cross_device_ops import CrossDeviceOps
+            if not isinstance(cross_device_ops, CrossDeviceOps):
+                raise ValueError(
+                    f"cross_device_ops must be a cr.CrossDeviceOps (e.g. cr.ReductionToOneDevice() or "
+                    f"cr.AllReduceCrossDeviceOps()) or None; got {cross_device_ops!r}")
         self.cross_device_ops = cross_device_ops
         n = len(self.worker_devices)
         self._threads = ReplicaThreads(n, type(container).__name__) if n > 1 else None
