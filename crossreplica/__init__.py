@@ -18,6 +18,11 @@ from .reduce_op import ReduceOp
 from .strategies import MirroredStrategy, MultiWorkerMirroredStrategy, OneDeviceStrategy, Strategy
 from .values import (DistributedValues, Mirrored, PerReplica, regroup, select_replica,
                      select_replica_mirrored)
+from .cross_device_ops import (AllReduceCrossDeviceOps, CommunicationOptions, CrossDeviceOps,
+                               ReductionToOneDevice)
+from .data import InputContext
+from .optim import CrossShardOptimizer
+from . import nn
 
 __version__ = "0.1.0"
 
@@ -32,4 +37,6 @@ __all__ = [
     "Strategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy",
     "all_reduce", "cross_replica_sum", "cross_replica_mean", "cross_replica_average", "all_gather",
     "reduce_scatter", "all_to_all", "broadcast", "collective_permute", "replica_id", "num_replicas",
+    "CrossDeviceOps", "ReductionToOneDevice", "AllReduceCrossDeviceOps", "CommunicationOptions",
+    "InputContext", "CrossShardOptimizer", "nn",
 ]

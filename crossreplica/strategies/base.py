@@ -11,6 +11,7 @@ and :meth:`StrategyExtended.gather_values`, which multi-process strategies exten
 from __future__ import annotations
 
 import contextlib
+import copy
 import weakref
 from typing import Any, Callable, Iterator, Sequence
 
@@ -22,7 +23,7 @@ from ..engines.base import Call, Engine
 from ..engines.threads import check_agreement, reduce_into
 from ..errors import ReplicaContextError, replica_error
 from ..reduce_op import ReduceOp, check_dtype, reduce_non_distributed_value
-from ..values import DistributedValues, regroup, select_replica
+from ..values import DistributedValues, Mirrored, regroup, select_replica, select_replica_mirrored
 from .replica_threads import ReplicaThreads, raise_first_failure
 
 __all__ = ["Strategy", "StrategyExtended"]
@@ -38,6 +39,12 @@ class StrategyExtended:
         self._container_ref = weakref.ref(container)
         self.worker_devices = tuple(devices)
         self.engine = engine
+        if cross_device_ops is not None:
+            from ..cross_device_ops import CrossDeviceOps
+            if not isinstance(cross_device_ops, CrossDeviceOps):
+                raise ValueError(
+                    f"cross_device_ops must be a cr.CrossDeviceOps (e.g. cr.ReductionToOneDevice() or "
+                    f"cr.AllReduceCrossDeviceOps()) or None; got {cross_device_ops!r}")
         self.cross_device_ops = cross_device_ops
         n = len(self.worker_devices)
         self._running = False
@@ -159,6 +166,103 @@ class StrategyExtended:
         """Replica 0's tensor, given one tensor per local replica (multi-process
         strategies return global replica 0's, for ``mirror`` and checkpoints)."""
         return tensors[0]
+
+    def broadcast_initial_state(self, mirrored: Mirrored) -> Mirrored:
+        """Makes every replica start from replica 0's copy of ``mirrored``.
+
+        In-process the copies are already identical (``Strategy.mirror`` deep-copies
+        replica 0's object), so this is a no-op; multi-process strategies override
+        it to broadcast replica 0's tensors to the other processes.
+        """
+        return mirrored
+
+    # ------------------------------------------------------------ input pipelines
+
+    @property
+    def num_input_pipelines(self) -> int:
+        """Input pipelines feeding the replicas (one per worker process)."""
+        return 1
+
+    @property
+    def input_pipeline_id(self) -> int:
+        """This process's input pipeline (its worker id)."""
+        return 0
+
+    # ------------------------------------------------------------ cross-device ops
+
+    @property
+    def _cross_device_ops(self) -> Any:
+        if self.cross_device_ops is None:
+            from ..cross_device_ops import AllReduceCrossDeviceOps
+            self.cross_device_ops = AllReduceCrossDeviceOps()
+        return self.cross_device_ops
+
+    def _require_cross_replica(self, api: str) -> None:
+        if context.get_replica_context() is not None:
+            raise ReplicaContextError(
+                f"strategy.extended.{api} must be called in cross-replica context (outside "
+                f"strategy.run, or in a merge_call's merge_fn); inside a replica function use "
+                f"cr.all_reduce / cr.broadcast")
+
+    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any,
+                  options: Any = None) -> Any:
+        """Reduces ``value`` (a DistributedValues or a tensor) onto ``destinations``.
+
+        Returns a Mirrored with one copy per destination device. A value that is
+        not distributed is the same on every replica (reduce_non_distributed_value).
+        """
+        self._require_cross_replica("reduce_to")
+        with self._container.scope():
+            return self._cross_device_ops.reduce(reduce_op, value, destinations, options)
+
+    def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[Any],
+                        options: Any = None) -> list[Any]:
+        """Reduces each ``(value, destinations)`` pair; small tensors travel packed."""
+        self._require_cross_replica("batch_reduce_to")
+        with self._container.scope():
+            return self._cross_device_ops.batch_reduce(reduce_op, value_destination_pairs, options)
+
+    def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
+        """``tensor`` copied to every device of ``destinations`` (a Mirrored)."""
+        self._require_cross_replica("broadcast_to")
+        with self._container.scope():
+            return self._cross_device_ops.broadcast(tensor, destinations)
+
+    def update(self, var: Any, fn: Callable[..., Any], args: Sequence[Any] = (),
+               kwargs: dict | None = None, group: bool = True) -> Any:
+        """Runs ``fn(v, *args, **kwargs)`` on every copy ``v`` of ``var`` (a Mirrored),
+        on its device, under ``torch.no_grad()``.
+
+        Distributed ``args``/``kwargs`` must be Mirrored; copy ``i`` gets their
+        ``i``-th value. With ``group`` the results are regrouped (Mirrored where
+        they differ); otherwise a tuple with one result per copy.
+
+        Raises:
+            TypeError: ``fn`` is not callable, or an argument is a PerReplica.
+        """
+        self._require_cross_replica("update")
+        if not callable(fn):
+            raise TypeError(f"fn must be callable as fn(var, *args, **kwargs); got {fn!r}")
+        if isinstance(args, (str, bytes)) or not isinstance(args, (tuple, list)):
+            raise TypeError(f"args must be a tuple of positional arguments; got {args!r}")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise TypeError(f"kwargs must be a dict or None; got {kwargs!r}")
+        kwargs = kwargs or {}
+        copies = var.values if isinstance(var, DistributedValues) else (var,)
+        results = []
+        with self._container.scope(), torch.no_grad():
+            for i, v in enumerate(copies):
+                a = select_replica_mirrored(i, tuple(args))
+                kw = select_replica_mirrored(i, kwargs)
+                device = getattr(v, "device", None)
+                if device is not None and device.type == "cuda":
+                    with torch.cuda.device(device):
+                        results.append(fn(v, *a, **kw))
+                else:
+                    results.append(fn(v, *a, **kw))
+        if not group:
+            return tuple(results)
+        return regroup(results, Mirrored)
 
 
 class Strategy:
@@ -299,6 +403,63 @@ class Strategy:
 
         return nest.map_structure(one, value)
 
+    # ------------------------------------------------------------ replicated state and input
+
+    def mirror(self, obj: Any) -> Mirrored:
+        """``obj`` (a module, tensor or nest of them) as a Mirrored: one identical
+        copy per local replica, on that replica's device.
+
+        Replica 0 keeps ``obj`` itself (a module is moved in place with
+        ``.to(device)``); every other replica gets a ``copy.deepcopy`` of it, so
+        objects that refer to each other in ``obj`` (a model and its optimizer)
+        stay linked within each copy. Across processes replica 0's copy wins
+        (``extended.broadcast_initial_state``). Inside ``run``, each replica sees
+        its own copy.
+
+        Raises:
+            ReplicaContextError: called inside a replica function.
+            ValueError: ``obj`` is already a DistributedValues.
+        """
+        self._require_cross_replica("mirror")
+        leaves, _ = nest.flatten(obj)
+        if isinstance(obj, DistributedValues) or any(isinstance(v, DistributedValues) for v in leaves):
+            raise ValueError(
+                f"obj is already distributed ({type(obj).__name__}); mirror takes a plain module, "
+                f"tensor or nest of them and makes one copy per replica")
+        devices = self.extended.worker_devices
+        copies = [_to_device(obj, devices[0])]
+        for d in devices[1:]:
+            copies.append(_to_device(copy.deepcopy(copies[0]), d))
+        return self.extended.broadcast_initial_state(Mirrored(copies))
+
+    def distribute_dataset(self, dataset: Any) -> Any:
+        """Splits each global batch of ``dataset`` along dim 0, one part per replica.
+
+        Yields, per step, the batch's nest with PerReplica leaves (pass it to
+        ``run``). An uneven batch is split as evenly as possible; see
+        :mod:`crossreplica.data` for keeping the mean gradient exact.
+        """
+        from .. import data
+        return data.distribute_dataset(self, dataset)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Any]) -> Any:
+        """Calls ``dataset_fn(cr.InputContext)`` for this process's input pipeline and
+        splits each batch it yields among the local replicas."""
+        from .. import data
+        return data.distribute_datasets_from_function(self, dataset_fn)
+
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync}, "
                 f"devices={[str(d) for d in self.extended.worker_devices]})")
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with its modules and tensors on ``device`` (modules moved in place)."""
+    def move(x: Any) -> Any:
+        if isinstance(x, torch.nn.Module):
+            return x.to(device)
+        if isinstance(x, torch.Tensor) and x.device != device:
+            moved = x.detach().to(device)
+            return moved.requires_grad_(x.requires_grad) if x.is_leaf else moved
+        return x
+    return nest.map_structure(move, obj)

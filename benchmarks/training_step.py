@@ -1,0 +1,153 @@
+"""Training step: in-process replicas vs one process using every core.
+
+Part 1 (the target): an MLP 784-1024-1024-10, global batch 256, SGD (lr 0.01,
+momentum 0.9, foreach):
+
+* baseline: one process, no strategy, torch.set_num_threads(2): forward,
+  backward and step on the whole batch of 256;
+* crossreplica: MirroredStrategy with 2 in-process replicas,
+  torch.set_num_threads(1) (one intra-op thread per replica), 128 rows each,
+  CrossShardOptimizer (the 7.4 MB of gradients reduced in one engine call).
+
+Part 2: the demo's model (digits MLP 64-128-128-10, global batch 64) on 1, 2
+and 4 replicas (intra-op threads = cores // replicas) against plain torch on
+one device with every core.
+
+Variants are measured side by side, interleaved round by round, in the same
+process; the tables give the median ms per step and the ratio to the baseline.
+On a shared machine the baseline's two OpenMP threads suffer most from other
+load (one descheduled thread stalls every parallel region), so the ratio of
+the minima is printed too: it is the better estimate for a quiet machine.
+
+    PYTHONPATH=. python benchmarks/training_step.py [--rounds 15] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import crossreplica as cr
+from crossreplica import demo
+
+
+def mlp(sizes: list[int], seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for a, b in zip(sizes, sizes[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def plain_runner(model: nn.Module, x: torch.Tensor, y: torch.Tensor, threads: int, steps: int) -> Callable[[], None]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=True)
+
+    def run() -> None:
+        torch.set_num_threads(threads)
+        for _ in range(steps):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    return run
+
+
+def replica_step(model: nn.Module, opt: cr.CrossShardOptimizer, x: torch.Tensor, y: torch.Tensor,
+                 steps: int) -> None:
+    for _ in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step(weight=x.shape[0])
+
+
+def strategy_runner(model: nn.Module, x: torch.Tensor, y: torch.Tensor, replicas: int, threads: int,
+                    steps: int) -> tuple[Callable[[], None], cr.Strategy]:
+    s = cr.MirroredStrategy(replicas, devices=["cpu"] * replicas) if replicas > 1 else cr.OneDeviceStrategy()
+    models = s.mirror(model)
+    opts = s.run(lambda m: cr.CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9,
+                                                                  foreach=True)), args=(models,))
+    (batch,) = list(s.distribute_dataset([(x, y)]))
+
+    def run() -> None:
+        torch.set_num_threads(threads)
+        s.run(replica_step, args=(models, opts, batch[0], batch[1], steps))
+    return run, s
+
+
+def measure(variants: dict[str, Callable[[], None]], rounds: int, steps: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for fn in variants.values():  # warm-up
+        fn()
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) / steps)
+    return times
+
+
+def table(title: str, times: dict[str, list[float]], baseline: str) -> None:
+    base = statistics.median(times[baseline])
+    base_min = min(times[baseline])
+    print(title)
+    print(f"| {'variant':<56} | {'median ms/step':>14} | {'min ms':>8} | {'median / baseline':>17} "
+          f"| {'min / baseline min':>18} |")
+    print(f"|{'-' * 58}|{'-' * 15}:|{'-' * 9}:|{'-' * 18}:|{'-' * 19}:|")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"| {name:<56} | {med * 1e3:>14.2f} | {min(ts) * 1e3:>8.2f} | {med / base:>16.2f}x "
+              f"| {min(ts) / base_min:>17.2f}x |")
+    print()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=5, help="steps per round and variant (part 1)")
+    ap.add_argument("--demo-steps", type=int, default=20, help="steps per round and variant (part 2)")
+    args = ap.parse_args()
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    saved = torch.get_num_threads()
+    print(f"torch {torch.__version__}, {cores} cores available, load average {os.getloadavg()[0]:.2f}\n")
+
+    # ---- part 1: the MLP 784-1024-1024-10
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 784, generator=g)
+    y = torch.randint(0, 10, (256,), generator=g)
+    base_name = "one process, no strategy, 2 intra-op threads (baseline)"
+    strat_run, _ = strategy_runner(mlp([784, 1024, 1024, 10]), x, y, 2, 1, args.steps)
+    variants = {
+        base_name: plain_runner(mlp([784, 1024, 1024, 10]), x, y, 2, args.steps),
+        "MirroredStrategy, 2 replicas x 1 intra-op thread": strat_run,
+    }
+    table(f"MLP 784-1024-1024-10, global batch 256, SGD; {args.rounds} rounds x {args.steps} steps, interleaved",
+          measure(variants, args.rounds, args.steps), base_name)
+
+    # ---- part 2: the demo model
+    x_train, y_train, _, _ = demo.load_digits(0)
+    xb, yb = x_train[:64], y_train[:64]
+    net = demo.make_model()
+    base_name = f"plain torch, one device, {cores} intra-op threads (baseline)"
+    variants = {base_name: plain_runner(demo.make_model(), xb, yb, cores, args.demo_steps)}
+    for n in (1, 2, 4):
+        threads = max(1, cores // n)
+        run, _ = strategy_runner(demo.make_model(), xb, yb, n, threads, args.demo_steps)
+        kind = "OneDeviceStrategy" if n == 1 else "MirroredStrategy"
+        variants[f"{kind}, {n} replica(s) x {threads} intra-op thread(s)"] = run
+    del net
+    table(f"demo model (digits MLP 64-128-128-10), global batch 64, SGD; {args.rounds} rounds x "
+          f"{args.demo_steps} steps, interleaved", measure(variants, args.rounds, args.demo_steps), base_name)
+    torch.set_num_threads(saved)
+
+
+if __name__ == "__main__":
+    main()

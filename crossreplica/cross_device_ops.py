@@ -1,0 +1,358 @@
+"""Cross-device ops: reductions and broadcasts in cross-replica context.
+
+A :class:`CrossDeviceOps` reduces a per-replica value (one tensor per local
+replica) and places the result on ``destinations``: a device string, a
+torch.device, a tensor (its device) or a DistributedValues (the device of each
+of its values). Results are always :class:`~crossreplica.values.Mirrored`,
+one copy per destination device, each a distinct tensor.
+
+The arithmetic is the strategy's: :meth:`StrategyExtended.reduce_values`
+reduces in ascending replica order (and, for multi-process strategies, across
+processes), so a cross-device reduction equals the sequential
+``((x0 + x1) + x2) + ...`` exactly, like every other reduction of the library.
+
+* :class:`ReductionToOneDevice` copies every value to one device, accumulates
+  there (optionally with a user ``accumulation_fn``) and copies the result out.
+* :class:`AllReduceCrossDeviceOps` (the default) reduces each value with the
+  strategy's all-reduce; ``batch_reduce`` packs small tensors of one dtype and
+  device into flat buffers first, so many small reductions become one.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections import abc
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import context
+from .packing import flatten_pack, plan_packs
+from .reduce_op import ReduceOp, check_dtype, reduce_non_distributed_value
+from .values import DistributedValues, Mirrored
+
+__all__ = [
+    "CommunicationOptions",
+    "CrossDeviceOps",
+    "ReductionToOneDevice",
+    "AllReduceCrossDeviceOps",
+    "get_devices_from",
+    "validate_destinations",
+]
+
+#: Pack size AllReduceCrossDeviceOps.batch_reduce uses when options say 0.
+DEFAULT_BYTES_PER_PACK = 4 * 1024 * 1024
+
+
+class CommunicationOptions:
+    """How a cross-device reduction communicates.
+
+    Args:
+        bytes_per_pack: the most bytes fused into one pack by ``batch_reduce``;
+            0 lets the implementation choose.
+        timeout_seconds: give up on a collective after this long (None: the
+            strategy's timeout).
+    """
+
+    __slots__ = ("bytes_per_pack", "timeout_seconds")
+
+    def __init__(self, bytes_per_pack: int = 0, timeout_seconds: float | None = None):
+        if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int) or bytes_per_pack < 0:
+            raise ValueError(f"bytes_per_pack must be a non-negative int (0: automatic); got {bytes_per_pack!r}")
+        if timeout_seconds is not None and (isinstance(timeout_seconds, bool)
+                                            or not isinstance(timeout_seconds, numbers.Real)
+                                            or not timeout_seconds > 0):
+            raise ValueError(f"timeout_seconds must be a positive number or None; got {timeout_seconds!r}")
+        self.bytes_per_pack = bytes_per_pack
+        self.timeout_seconds = timeout_seconds
+
+    def __repr__(self) -> str:
+        return (f"CommunicationOptions(bytes_per_pack={self.bytes_per_pack}, "
+                f"timeout_seconds={self.timeout_seconds})")
+
+
+# --------------------------------------------------------------------------- destinations
+
+_DEST_HELP = ("a device string ('cpu', 'cuda:0'), a torch.device, a tensor (its device) or a "
+              "cr.DistributedValues (the device of each value)")
+
+
+def _device_of(x: Any) -> torch.device | None:
+    if isinstance(x, torch.Tensor):
+        return x.device
+    if isinstance(x, torch.nn.Module):
+        for t in x.parameters():
+            return t.device
+        for t in x.buffers():
+            return t.device
+        return torch.device("cpu")
+    return None
+
+
+def validate_destinations(destinations: Any, argname: str = "destinations") -> None:
+    """Raises ValueError unless ``destinations`` names at least one device."""
+    get_devices_from(destinations, argname)
+
+
+def get_devices_from(destinations: Any, argname: str = "destinations") -> tuple[torch.device, ...]:
+    """The devices ``destinations`` names, in order."""
+    if isinstance(destinations, str):
+        if not destinations:
+            raise ValueError(f"{argname} must not be empty; pass {_DEST_HELP}")
+        from .strategies.devices import canonical_device
+        return (canonical_device(destinations, argname),)
+    if isinstance(destinations, torch.device):
+        return (destinations,)
+    if isinstance(destinations, DistributedValues):
+        devices = []
+        for i, v in enumerate(destinations.values):
+            d = _device_of(v)
+            if d is None:
+                raise ValueError(
+                    f"{argname} is a {type(destinations).__name__} whose value {i} is "
+                    f"{type(v).__name__}, which has no device; its values must be tensors or modules")
+            devices.append(d)
+        return tuple(devices)
+    d = _device_of(destinations)
+    if d is not None:
+        return (d,)
+    raise ValueError(f"{argname} must be {_DEST_HELP}; got {type(destinations).__name__}: {destinations!r}")
+
+
+def _as_tensor(x: Any, argname: str) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (numbers.Number, bool)):
+        return torch.as_tensor(x)
+    raise ValueError(f"{argname} must hold tensors (or Python numbers); got {type(x).__name__}: {x!r}")
+
+
+def _copies(t: torch.Tensor, devices: Sequence[torch.device], fresh: bool = True) -> Mirrored:
+    """One distinct copy of ``t`` per device; the first is ``t`` itself when ``fresh``
+    (a result we made) and on the right device, so no caller's tensor is handed back."""
+    out = []
+    for i, d in enumerate(devices):
+        if i == 0 and fresh and t.device == d:
+            out.append(t)
+        else:
+            out.append(t.to(d, copy=True))
+    return Mirrored(out)
+
+
+def _strategy() -> Any:
+    return context.get_strategy()
+
+
+def _check_options(options: Any) -> "CommunicationOptions":
+    if options is None:
+        return CommunicationOptions()
+    if not isinstance(options, CommunicationOptions):
+        raise ValueError(f"options must be a cr.CommunicationOptions or None; got {options!r}")
+    return options
+
+
+def _local_values(value: Any, argname: str) -> list[torch.Tensor]:
+    return [_as_tensor(v, f"{argname}.values[{i}]") for i, v in enumerate(value.values)]
+
+
+# --------------------------------------------------------------------------- base
+
+class CrossDeviceOps:
+    """Base class: how a strategy reduces and broadcasts in cross-replica context.
+
+    Subclasses implement :meth:`reduce_implementation` (and may override
+    :meth:`batch_reduce_implementation` to batch); validation is done here.
+    """
+
+    def reduce(self, reduce_op: ReduceOp | str, per_replica_value: Any, destinations: Any,
+               options: CommunicationOptions | None = None) -> Mirrored:
+        """Reduces ``per_replica_value`` and places the result on ``destinations``.
+
+        A value that is not distributed is the same on every replica and
+        reduces as tf.distribute's ``reduce_non_distributed_value`` says.
+
+        Raises:
+            ValueError: a bad op, value, destinations or options.
+        """
+        op = ReduceOp.from_any(reduce_op, "reduce_op")
+        devices = get_devices_from(destinations)
+        _check_options(options)
+        if not isinstance(per_replica_value, DistributedValues):
+            t = _as_tensor(per_replica_value, "per_replica_value")
+            n = _strategy().num_replicas_in_sync
+            return _copies(reduce_non_distributed_value(op, t, n), devices, fresh=False)
+        values = _local_values(per_replica_value, "per_replica_value")
+        for v in values:
+            check_dtype(op, v.dtype, "per_replica_value")
+        _check_same_shapes(values, "per_replica_value")
+        return self.reduce_implementation(op, values, devices, options)
+
+    def batch_reduce(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]],
+                     options: CommunicationOptions | None = None) -> list[Mirrored]:
+        """Reduces each ``(value, destinations)`` pair; returns one Mirrored per pair.
+
+        Raises:
+            ValueError: ``value_destination_pairs`` is not a sequence of
+                (value, destinations) pairs, or an element is bad.
+        """
+        op = ReduceOp.from_any(reduce_op, "reduce_op")
+        _check_options(options)
+        if isinstance(value_destination_pairs, (str, bytes)) or \
+                not isinstance(value_destination_pairs, abc.Sequence):
+            raise ValueError(
+                f"value_destination_pairs must be a list of (value, destinations) tuples; got "
+                f"{value_destination_pairs!r}")
+        pairs = []
+        for i, pair in enumerate(value_destination_pairs):
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise ValueError(
+                    f"value_destination_pairs[{i}] must be a (value, destinations) tuple; got {pair!r}")
+            value, dest = pair
+            devices = get_devices_from(dest, f"value_destination_pairs[{i}][1]")
+            pairs.append((value, devices))
+        if not pairs:
+            return []
+        results: list[Any] = [None] * len(pairs)
+        batch: list[tuple[int, list[torch.Tensor], tuple[torch.device, ...]]] = []
+        n_local = None
+        for i, (value, devices) in enumerate(pairs):
+            if not isinstance(value, DistributedValues):
+                t = _as_tensor(value, f"value_destination_pairs[{i}][0]")
+                n = _strategy().num_replicas_in_sync
+                results[i] = _copies(reduce_non_distributed_value(op, t, n), devices, fresh=False)
+                continue
+            values = _local_values(value, f"value_destination_pairs[{i}][0]")
+            for v in values:
+                check_dtype(op, v.dtype, f"value_destination_pairs[{i}][0]")
+            _check_same_shapes(values, f"value_destination_pairs[{i}][0]")
+            if n_local is not None and len(values) != n_local:
+                raise ValueError(
+                    f"value_destination_pairs[{i}][0] has {len(values)} values but the first "
+                    f"distributed value has {n_local}; every value needs one entry per replica")
+            n_local = len(values)
+            batch.append((i, values, devices))
+        if batch:
+            outs = self.batch_reduce_implementation(op, [(v, d) for _, v, d in batch], options)
+            for (i, _, _), out in zip(batch, outs):
+                results[i] = out
+        return results
+
+    def broadcast(self, tensor: Any, destinations: Any) -> Mirrored:
+        """``tensor`` copied to every device of ``destinations``."""
+        devices = get_devices_from(destinations)
+        return _copies(_as_tensor(tensor, "tensor"), devices, fresh=False)
+
+    # ---------------------------------------------------------------- to implement
+
+    def reduce_implementation(self, reduce_op: ReduceOp, values: list[torch.Tensor],
+                              devices: tuple[torch.device, ...],
+                              options: CommunicationOptions | None) -> Mirrored:
+        """Reduces validated per-replica ``values`` onto ``devices``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement reduce_implementation")
+
+    def batch_reduce_implementation(self, reduce_op: ReduceOp,
+                                    pairs: list[tuple[list[torch.Tensor], tuple[torch.device, ...]]],
+                                    options: CommunicationOptions | None) -> list[Mirrored]:
+        """Reduces validated pairs; the default reduces them one by one."""
+        return [self.reduce_implementation(reduce_op, v, d, options) for v, d in pairs]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def _check_same_shapes(values: list[torch.Tensor], argname: str) -> None:
+    s0, d0 = values[0].shape, values[0].dtype
+    for i, v in enumerate(values[1:], start=1):
+        if v.shape != s0 or v.dtype != d0:
+            raise ValueError(
+                f"{argname} must hold tensors of one shape and dtype; value 0 is {list(s0)} {d0}, "
+                f"value {i} is {list(v.shape)} {v.dtype}")
+
+
+def _reduce(op: ReduceOp, values: list[torch.Tensor]) -> torch.Tensor:
+    return _strategy().extended.reduce_values(op, values)
+
+
+# --------------------------------------------------------------------------- implementations
+
+class ReductionToOneDevice(CrossDeviceOps):
+    """Copies every value to one device, reduces there, copies the result out.
+
+    Args:
+        reduce_to_device: where to reduce; None is the first destination device.
+        accumulation_fn: ``fn(list_of_tensors) -> tensor`` that sums (SUM and
+            MEAN only; MEAN then divides by the count). None sums in replica order.
+    """
+
+    def __init__(self, reduce_to_device: Any = None,
+                 accumulation_fn: Callable[[list[torch.Tensor]], torch.Tensor] | None = None):
+        if reduce_to_device is not None:
+            from .strategies.devices import canonical_device
+            reduce_to_device = canonical_device(reduce_to_device, "reduce_to_device")
+        if accumulation_fn is not None and not callable(accumulation_fn):
+            raise ValueError(f"accumulation_fn must be callable or None; got {accumulation_fn!r}")
+        self.reduce_to_device = reduce_to_device
+        self.accumulation_fn = accumulation_fn
+
+    def reduce_implementation(self, reduce_op: ReduceOp, values: list[torch.Tensor],
+                              devices: tuple[torch.device, ...],
+                              options: CommunicationOptions | None) -> Mirrored:
+        target = self.reduce_to_device or devices[0]
+        local = [v.to(target) for v in values]
+        strategy = _strategy()
+        if self.accumulation_fn is not None and reduce_op in (ReduceOp.SUM, ReduceOp.MEAN) \
+                and strategy.num_replicas_in_sync == len(local):
+            out = self.accumulation_fn(local)
+            if not isinstance(out, torch.Tensor):
+                raise ValueError(
+                    f"accumulation_fn must return a tensor; it returned {type(out).__name__}: {out!r}")
+            if reduce_op is ReduceOp.MEAN:
+                out = out / len(local)
+        else:
+            out = strategy.extended.reduce_values(reduce_op, local)
+        return _copies(out, devices)
+
+    def __repr__(self) -> str:
+        return (f"ReductionToOneDevice(reduce_to_device={self.reduce_to_device!r}, "
+                f"accumulation_fn={self.accumulation_fn!r})")
+
+
+class AllReduceCrossDeviceOps(CrossDeviceOps):
+    """The default: the strategy's all-reduce; ``batch_reduce`` packs small tensors.
+
+    Tensors smaller than the pack size are concatenated per (device, dtype)
+    into flat buffers, reduced together and split again, which is bitwise the
+    same as reducing each one (the reduction is elementwise).
+    """
+
+    def reduce_implementation(self, reduce_op: ReduceOp, values: list[torch.Tensor],
+                              devices: tuple[torch.device, ...],
+                              options: CommunicationOptions | None) -> Mirrored:
+        return _copies(_reduce(reduce_op, values), devices)
+
+    def batch_reduce_implementation(self, reduce_op: ReduceOp,
+                                    pairs: list[tuple[list[torch.Tensor], tuple[torch.device, ...]]],
+                                    options: CommunicationOptions | None) -> list[Mirrored]:
+        limit = (options.bytes_per_pack if options is not None and options.bytes_per_pack
+                 else DEFAULT_BYTES_PER_PACK)
+        n_local = len(pairs[0][0])
+        firsts = [v[0] for v, _ in pairs]
+        reduced: list[torch.Tensor | None] = [None] * len(pairs)
+        packs = plan_packs(firsts, limit)
+        for pack in packs:
+            # A pack is keyed on replica 0's device; other replicas must agree.
+            same_devices = all(
+                all(pairs[i][0][r].device == pairs[pack[0]][0][r].device for i in pack)
+                for r in range(n_local))
+            if len(pack) == 1 or not same_devices:
+                for i in pack:
+                    reduced[i] = _reduce(reduce_op, pairs[i][0])
+                continue
+            flats = [flatten_pack([pairs[i][0][r] for i in pack]) for r in range(n_local)]
+            out = _reduce(reduce_op, flats)
+            offset = 0
+            for i in pack:
+                n = firsts[i].numel()
+                reduced[i] = out[offset:offset + n].view_as(firsts[i])
+                offset += n
+        return [_copies(t, devices) for t, (_, devices) in zip(reduced, pairs)]

@@ -1,0 +1,155 @@
+"""Layers whose training behaviour spans replicas.
+
+:class:`SyncBatchNorm` is distributed batch norm (the seeds'
+``cross_replica_average``): in training, inside a replica function, the batch
+statistics are those of the whole group's batch. Each replica contributes
+``[sum(x), sum(x*x), count]`` per channel and ONE all-reduce SUM over the
+group gives the group's mean and E[x^2], weighted by each replica's row count
+so uneven (even empty) per-replica batches are exact. The all-reduce is
+differentiable (its backward is the all-reduce SUM of the output gradients),
+so ``loss.backward()`` inside the replica function gives the gradients of
+one-device batch norm on the concatenated batch.
+
+In eval mode, outside a replica context, or in a group of one replica the
+layer is exactly ``torch.nn.BatchNorm{1,2,3}d``.
+
+Precision: the variance is E[x^2] - mean^2 in the input's dtype, as in the
+seeds. For float32 inputs whose per-channel mean is much larger than their
+spread (|mean| / std > ~100) that loses digits; normalise such inputs first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn as tnn
+
+from .collectives import all_reduce
+from .context import get_replica_context
+from .groups import Groups, contiguous_groups, group_of, resolve_groups
+
+__all__ = ["SyncBatchNorm"]
+
+
+class SyncBatchNorm(tnn.modules.batchnorm._BatchNorm):
+    """Batch norm over the concatenated batch of a replica group, for inputs of
+    shape ``(N, C, *)``.
+
+    Args:
+        num_features, eps, momentum, affine, track_running_stats: as
+            ``torch.nn.BatchNorm2d``.
+        group_assignment: replicas whose batches are normalised together (see
+            ``cr.all_reduce``); None is every replica in sync.
+        num_shards_per_group: the seeds' spelling: groups of this many
+            consecutive replicas (``[[0, 1], [2, 3]]`` for 2 of 4). Exclusive
+            with ``group_assignment``.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, group_assignment: Any = None,
+                 num_shards_per_group: int | None = None, device: Any = None, dtype: Any = None):
+        if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features <= 0:
+            raise ValueError(f"num_features must be a positive int (channels); got {num_features!r}")
+        if group_assignment is not None and num_shards_per_group is not None:
+            raise ValueError(
+                f"pass either group_assignment or num_shards_per_group, not both; got "
+                f"group_assignment={group_assignment!r}, num_shards_per_group={num_shards_per_group!r}")
+        if num_shards_per_group is not None and (isinstance(num_shards_per_group, bool)
+                                                 or not isinstance(num_shards_per_group, int)
+                                                 or num_shards_per_group <= 0):
+            raise ValueError(f"num_shards_per_group must be a positive int or None; got {num_shards_per_group!r}")
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        self.group_assignment = group_assignment
+        self.num_shards_per_group = num_shards_per_group
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"SyncBatchNorm expects an input of shape (N, C, *) with at least 2 "
+                             f"dimensions; got shape {list(input.shape)}")
+
+    def _groups(self, num_replicas: int) -> Groups:
+        if self.num_shards_per_group is not None:
+            return contiguous_groups(num_replicas, self.num_shards_per_group)
+        return resolve_groups(num_replicas, self.group_assignment)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        if input.shape[1] != self.num_features:
+            raise ValueError(f"SyncBatchNorm({self.num_features}) got an input with {input.shape[1]} "
+                             f"channels (shape {list(input.shape)}); dim 1 must be the channels")
+        rctx = get_replica_context()
+        if not self.training or rctx is None:
+            return self._local(input)
+        groups = self._groups(rctx.num_replicas_in_sync)
+        if len(group_of(groups, rctx.replica_id_in_sync_group)) == 1:
+            return self._local(input)
+        return self._synced(input, groups)
+
+    def _momentum(self) -> float:
+        """Counts the batch and returns the running-stats factor (as torch's BatchNorm)."""
+        self.num_batches_tracked.add_(1)
+        if self.momentum is None:
+            return 1.0 / float(self.num_batches_tracked)
+        return self.momentum
+
+    def _local(self, input: torch.Tensor) -> torch.Tensor:
+        """Exactly torch.nn.BatchNorm's forward."""
+        return super().forward(input)
+
+    def _synced(self, input: torch.Tensor, groups: Groups) -> torch.Tensor:
+        c = self.num_features
+        dims = [0] + list(range(2, input.dim()))
+        count = input.numel() // c
+        stats = torch.cat([input.sum(dims), (input * input).sum(dims),
+                           torch.full((1,), float(count), dtype=input.dtype, device=input.device)])
+        total = all_reduce(stats, "sum", groups)
+        n = float(total[-1].detach().item())
+        if n <= 1:
+            raise ValueError(
+                f"Expected more than 1 value per channel when training across the replica group, got "
+                f"{int(n)} (input shape on this replica {list(input.shape)})")
+        mean = total[:c] / n
+        var = (total[c:2 * c] / n - mean * mean).clamp_min(0)
+        if self.track_running_stats and self.running_mean is not None:
+            factor = self._momentum()
+            with torch.no_grad():
+                self.running_mean.mul_(1 - factor).add_(mean.detach(), alpha=factor)
+                self.running_var.mul_(1 - factor).add_(var.detach() * (n / (n - 1)), alpha=factor)
+        shape = [1, c] + [1] * (input.dim() - 2)
+        scale = torch.rsqrt(var + self.eps)
+        if self.weight is not None:
+            scale = scale * self.weight
+        out = (input - mean.view(shape)) * scale.view(shape)
+        if self.bias is not None:
+            out = out + self.bias.view(shape)
+        return out
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: tnn.Module, group_assignment: Any = None) -> tnn.Module:
+        """``module`` with every BatchNorm layer replaced by a SyncBatchNorm (weights kept)."""
+        out = module
+        if isinstance(module, tnn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
+            out = cls(module.num_features, module.eps, module.momentum, module.affine,
+                      module.track_running_stats, group_assignment=group_assignment)
+            with torch.no_grad():
+                if module.affine:
+                    out.weight.copy_(module.weight)
+                    out.bias.copy_(module.bias)
+                if module.track_running_stats:
+                    out.running_mean.copy_(module.running_mean)
+                    out.running_var.copy_(module.running_var)
+                    out.num_batches_tracked.copy_(module.num_batches_tracked)
+            out.train(module.training)
+            out = out.to(next(iter(module.state_dict().values())).device) if module.state_dict() else out
+        for name, child in module.named_children():
+            out.add_module(name, cls.convert_sync_batchnorm(child, group_assignment))
+        return out
+
+    def extra_repr(self) -> str:
+        extra = super().extra_repr()
+        if self.num_shards_per_group is not None:
+            extra += f", num_shards_per_group={self.num_shards_per_group}"
+        elif self.group_assignment is not None:
+            extra += f", group_assignment={self.group_assignment!r}"
+        return extra

@@ -1,0 +1,354 @@
+"""CrossShardOptimizer: keeps replicas in sync by reducing gradients before each step.
+
+Design. The wrapper is a real :class:`torch.optim.Optimizer` that owns no
+state of its own: ``param_groups``, ``state``, ``defaults``, ``state_dict``
+and friends are the wrapped optimizer's. ``step()`` first reduces every
+non-None gradient over the replica group, then steps the wrapped optimizer,
+so every replica applies the same update to its own copy of the parameters.
+
+Dense gradients are fused into packs per (device, dtype): each pack is one
+flat buffer (persistent, reused every step), large gradients travel as
+themselves, and the whole list of buffers goes in ONE engine call (one
+rendezvous of the replicas). The reduction is elementwise, so a fused
+reduction is bitwise identical to reducing every gradient on its own.
+Sparse gradients (``nn.Embedding(sparse=True)``) are reduced by gathering
+every replica's indices and values and coalescing.
+
+In a group of one replica (OneDeviceStrategy) the reduction is the identity
+and no engine call is made, so training is bitwise that of plain torch.
+
+Uneven batches. With ``reduction="mean"`` every replica's gradient counts
+equally, which is the global mean when every replica saw as many rows. When
+they did not (the last batch of an epoch split by ``distribute_dataset``),
+pass ``weight=`` (the replica's row count, ``x.shape[0]``) to ``step`` or
+``synchronize``: the result is ``sum_r w_r g_r / sum_r w_r``, which is the
+exact gradient of the mean loss over the concatenated global batch when each
+replica's loss is the mean over its own rows.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+
+from .context import get_strategy, has_strategy, require_replica_context
+from .engines.base import Call
+from .groups import Groups, group_of, resolve_groups
+from .packing import PackedBuffers
+from .reduce_op import ReduceOp
+
+__all__ = ["CrossShardOptimizer", "DEFAULT_BYTES_PER_PACK"]
+
+#: Default upper bound on the bytes of one fused gradient pack.
+DEFAULT_BYTES_PER_PACK = 4 * 1024 * 1024
+#: Gradients at least this large are not copied into a pack: they travel as
+#: their own buffer in the same engine call (packing pays for small tensors).
+ALONE_BYTES = 256 * 1024
+
+_VALID_REDUCTIONS = (ReduceOp.MEAN, ReduceOp.SUM)
+
+
+def _canonical_reduction(reduction: Any) -> ReduceOp:
+    op = None
+    if isinstance(reduction, ReduceOp):
+        op = reduction
+    elif isinstance(reduction, str):
+        op = ReduceOp.__members__.get(reduction.upper())
+    if op not in _VALID_REDUCTIONS:
+        raise ValueError(
+            f"reduction must be one of 'mean', 'sum' (or cr.ReduceOp.MEAN / SUM); got {reduction!r}")
+    return op
+
+
+def _canonical_weight(weight: Any) -> float:
+    if isinstance(weight, torch.Tensor):
+        if weight.numel() != 1:
+            raise ValueError(f"weight must be a number (the replica's row count); got a tensor of "
+                             f"shape {list(weight.shape)}")
+        weight = weight.item()
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight) \
+            or weight < 0:
+        raise ValueError(
+            f"weight must be a finite number >= 0 (usually the replica's row count, x.shape[0]); "
+            f"got {weight!r}")
+    return float(weight)
+
+
+class CrossShardOptimizer(torch.optim.Optimizer):
+    """An optimizer that reduces gradients across replicas, then steps ``optimizer``.
+
+    Args:
+        optimizer: the torch optimizer over this replica's parameters.
+        reduction: ``"mean"`` (default) or ``"sum"`` of the gradients over the group.
+        group_assignment: replicas that reduce together (see ``cr.all_reduce``);
+            None is every replica in sync.
+        bytes_per_pack: the most bytes fused into one flat buffer per
+            (device, dtype); gradients larger than this, or than 256 KiB,
+            travel as their own buffer (no copy), still in the same engine call.
+
+    Raises:
+        TypeError: ``optimizer`` is not a torch optimizer.
+        ValueError: ``reduction`` is not mean/sum, or ``bytes_per_pack`` is not
+            a positive int.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, reduction: ReduceOp | str = "mean",
+                 group_assignment: Any = None, bytes_per_pack: int = DEFAULT_BYTES_PER_PACK):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer (e.g. torch.optim.SGD(model.parameters(), "
+                f"lr=0.1)); got {type(optimizer).__name__}: {optimizer!r}")
+        if isinstance(optimizer, CrossShardOptimizer):
+            raise ValueError(
+                "optimizer is already a cr.CrossShardOptimizer; wrapping it again would reduce every "
+                "gradient twice")
+        if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int) or bytes_per_pack <= 0:
+            raise ValueError(f"bytes_per_pack must be a positive int (bytes); got {bytes_per_pack!r}")
+        self._optimizer = optimizer
+        self._reduction = _canonical_reduction(reduction)
+        self._group_assignment = group_assignment
+        self._bytes_per_pack = bytes_per_pack
+        self._groups_cache: tuple[int, Groups] | None = None
+        if group_assignment is not None and has_strategy():
+            self._groups(get_strategy().num_replicas_in_sync)  # a bad assignment fails here, not at step
+        self._pack_cache: tuple[tuple, PackedBuffers] | None = None
+        self._synchronized = False
+        self._owner: tuple[int, int] | None = None
+        # The hook tables torch.optim.Optimizer.__init__ would create; the
+        # parameters themselves stay with the wrapped optimizer.
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
+
+    # ------------------------------------------------------------ delegation
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped optimizer."""
+        return self._optimizer
+
+    @property
+    def reduction(self) -> ReduceOp:
+        return self._reduction
+
+    @property
+    def bytes_per_pack(self) -> int:
+        return self._bytes_per_pack
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self._optimizer.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self._optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._optimizer.state = value
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self._optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self._optimizer.defaults = value
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict."""
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads into the wrapped optimizer."""
+        self._optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a parameter group to the wrapped optimizer."""
+        self._optimizer.add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the gradients (and forgets an earlier :meth:`synchronize`)."""
+        self._synchronized = False
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return (f"CrossShardOptimizer({self._optimizer!r}, reduction={self._reduction}, "
+                f"group_assignment={self._group_assignment!r}, bytes_per_pack={self._bytes_per_pack})")
+
+    # ------------------------------------------------------------ stepping
+
+    def step(self, closure: Callable[[], Any] | None = None, *, weight: Any = None) -> Any:  # type: ignore[override]
+        """Reduces the gradients over the group (unless :meth:`synchronize` already
+        did) and steps the wrapped optimizer.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (run before the
+                reduction, with gradients enabled).
+            weight: this replica's weight in the mean, usually its row count;
+                see the module docstring. Only with ``reduction="mean"``.
+
+        Raises:
+            cr.ReplicaContextError: called outside a replica function.
+        """
+        require_replica_context("CrossShardOptimizer.step")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._synchronized:
+            self._reduce_gradients(weight)
+        self._synchronized = False
+        self._optimizer.step()
+        return loss
+
+    def synchronize(self, *, weight: Any = None) -> None:
+        """Reduces the gradients in place without stepping (clip them after this).
+
+        The next :meth:`step` then steps without reducing again.
+        """
+        require_replica_context("CrossShardOptimizer.synchronize")
+        if self._synchronized:
+            raise RuntimeError(
+                "CrossShardOptimizer.synchronize was called twice without step() or zero_grad() in "
+                "between; the gradients are already reduced")
+        self._reduce_gradients(weight)
+        self._synchronized = True
+
+    def _groups(self, num_replicas: int) -> Groups:
+        cached = self._groups_cache
+        if cached is not None and cached[0] == num_replicas:
+            return cached[1]
+        groups = resolve_groups(num_replicas, self._group_assignment)
+        self._groups_cache = (num_replicas, groups)
+        return groups
+
+    def _collect(self) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple]:
+        """(dense grads, params with sparse grads, the layout key of the dense grads)."""
+        seen: set[int] = set()
+        dense, sparse, key = [], [], []
+        for group in self._optimizer.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                if g.is_sparse:
+                    sparse.append(p)
+                else:
+                    dense.append(g)
+                    key.append((id(p), g.shape, g.dtype, g.device))
+        return dense, sparse, tuple(key)
+
+    def _packed(self, grads: list[torch.Tensor], key: tuple) -> PackedBuffers:
+        cached = self._pack_cache
+        if cached is None or cached[0] != key:
+            cached = (key, PackedBuffers(grads, self._bytes_per_pack,
+                                         min(ALONE_BYTES, self._bytes_per_pack)))
+            self._pack_cache = cached
+        return cached[1]
+
+    def _check_owner(self, rctx: Any) -> None:
+        """One optimizer per replica: sharing one would race on the same gradients."""
+        owner = (id(rctx.engine), rctx.replica_id_in_sync_group)
+        if self._owner is None or self._owner[0] != owner[0]:
+            self._owner = owner
+        elif self._owner != owner:
+            raise ValueError(
+                f"this CrossShardOptimizer is stepped by replica {self._owner[1]} and replica {owner[1]}; "
+                f"every replica needs its own optimizer over its own model copy, e.g. "
+                f"opts = strategy.run(lambda m: cr.CrossShardOptimizer(torch.optim.SGD(m.parameters(), "
+                f"lr=0.1)), args=(strategy.mirror(model),))")
+
+    def _reduce_gradients(self, weight: Any) -> None:
+        rctx = require_replica_context("CrossShardOptimizer.step")
+        self._check_owner(rctx)
+        rid = rctx.replica_id_in_sync_group
+        groups = self._groups(rctx.num_replicas_in_sync)
+        group_size = len(group_of(groups, rid))
+        weighted = weight is not None
+        if weighted:
+            if self._reduction is not ReduceOp.MEAN:
+                raise ValueError(
+                    f"weight={weight!r} is only used with reduction='mean'; this optimizer sums "
+                    f"(reduction='sum'), so leave weight out")
+            w = _canonical_weight(weight)
+        if group_size == 1:
+            # Reducing over a group of one is the identity: no engine call, and the
+            # gradients stay bitwise those of plain torch (no multiply by w, divide by w).
+            if weighted and w <= 0:
+                raise ValueError(
+                    f"the weights of the replicas in this group sum to {w}; at least one replica must "
+                    f"pass weight > 0 (its row count)")
+            return
+        grads, sparse, key = self._collect()
+        if not grads and not sparse:
+            return
+        total_weight = None
+        if grads or weighted:
+            packed = self._packed(grads, key)
+            buffers = packed.pack(grads)
+            if weighted:
+                # 0 * nan is nan: a replica without rows contributes exact zeros.
+                for i, buf in enumerate(buffers):
+                    own = packed.buffers[i] is not None
+                    if w > 0:
+                        buffers[i] = buf.mul_(w) if own else buf * w
+                    else:
+                        buffers[i] = buf.zero_() if own else torch.zeros_like(buf)
+                buffers.append(torch.tensor([w], dtype=torch.float64))
+            # An unweighted mean lets the engine divide while each block is hot in cache; that
+            # is the same sum-then-divide, so bitwise the result of cr.all_reduce(g, "mean").
+            op = ReduceOp.MEAN if self._reduction is ReduceOp.MEAN and not weighted else ReduceOp.SUM
+            outs = rctx.engine.execute(rid, Call.of("all_reduce", groups, (op,), buffers), buffers)
+            if weighted:
+                total_weight = float(outs[-1].item())
+                outs = outs[:-1]
+                if total_weight <= 0:
+                    raise ValueError(
+                        f"the weights of the replicas in this group sum to {total_weight}; at least one "
+                        f"replica must pass weight > 0 (its row count)")
+                for out in outs:
+                    out.div_(total_weight)
+            packed.unpack_(outs, grads)
+        if sparse:
+            self._reduce_sparse(rctx, groups, sparse, w if weighted else None,
+                                total_weight if weighted else
+                                (group_size if self._reduction is ReduceOp.MEAN else None))
+
+    def _reduce_sparse(self, rctx: Any, groups: Groups, params: list[torch.Tensor], w: float | None,
+                       divisor: float | None) -> None:
+        from .collectives import all_gather
+        leaves = []
+        for p in params:
+            g = p.grad
+            values = g._values()
+            if w is not None:
+                values = values * w if w > 0 else torch.zeros_like(values)
+            leaves.append(g._indices().t().contiguous())
+            leaves.append(values.contiguous())
+        gathered = all_gather(leaves, 0, groups)
+        for i, p in enumerate(params):
+            indices, values = gathered[2 * i].t(), gathered[2 * i + 1]
+            if divisor is not None:
+                values = values / divisor
+            p.grad = torch.sparse_coo_tensor(indices, values, p.grad.shape,
+                                             check_invariants=False).coalesce()
