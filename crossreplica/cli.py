@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "and reports the largest parameter difference.")
     train.add_argument("--replicas", type=_positive_int, default=d.replicas,
                        help=f"in-process replicas for --strategy mirrored (default {d.replicas})")
+    train.add_argument("--replicas-per-worker", type=_positive_int, default=d.replicas_per_worker,
+                       help="local replicas of each process for --strategy multi_worker, launched "
+                            f"with torchrun (default {d.replicas_per_worker})")
     train.add_argument("--strategy", choices=sorted(STRATEGIES), default=d.strategy,
                        help=f"distribution strategy (default {d.strategy})")
     train.add_argument("--epochs", type=_positive_int, default=d.epochs, help=f"default {d.epochs}")
@@ -59,11 +62,11 @@ def _train(args: argparse.Namespace) -> int:
     from .demo import TrainConfig, train
     config = TrainConfig(replicas=args.replicas, strategy=args.strategy, epochs=args.epochs,
                          batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                         progress=not args.no_progress, compare=not args.no_compare)
-    n = 1 if config.strategy == "one_device" else config.replicas
-    print(f"crossreplica train: {config.strategy} strategy, {n} replica(s), {config.epochs} epochs, "
-          f"global batch {config.batch_size}, lr {config.lr}, seed {config.seed}")
+                         progress=not args.no_progress, compare=not args.no_compare,
+                         replicas_per_worker=args.replicas_per_worker)
     result = train(config)
+    if not result.chief:  # the chief reports for every worker
+        return 0 if result.replicas_identical else 1
     last = result.history[-1]
     print(f"done in {result.seconds:.2f} s: test accuracy {last.test_acc:.4f}, replicas bitwise "
           f"identical: {'yes' if result.replicas_identical else 'NO'}")

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .optim import CrossShardOptimizer
-from .strategies import MirroredStrategy, OneDeviceStrategy, Strategy
+from .strategies import MirroredStrategy, MultiWorkerMirroredStrategy, OneDeviceStrategy, Strategy
 
 __all__ = ["TrainConfig", "EpochStats", "TrainResult", "STRATEGIES", "load_digits", "make_model",
            "make_strategy", "global_batches", "train", "train_reference"]
@@ -46,9 +46,10 @@ class TrainConfig:
     progress: bool = True
     compare: bool = True
     threads: int | None = None  # torch intra-op threads per replica; None: cores // replicas
+    replicas_per_worker: int = 1  # for multi_worker: local replicas of each torchrun process
 
     def validate(self) -> None:
-        for name in ("replicas", "epochs", "batch_size", "hidden"):
+        for name in ("replicas", "epochs", "batch_size", "hidden", "replicas_per_worker"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int; got {v!r}")
@@ -80,6 +81,7 @@ class TrainResult:
     reference_seconds: float | None = None
     reference_test_acc: float | None = None
     model: nn.Module | None = None
+    chief: bool = True  # false on the other workers of a multi-process run (they stay quiet)
 
 
 # --------------------------------------------------------------------------- pieces
@@ -92,11 +94,16 @@ def _mirrored(config: TrainConfig) -> Strategy:
     return MirroredStrategy(num_replicas=config.replicas, devices=["cpu"] * config.replicas)
 
 
-#: strategy name -> factory; the CLI offers exactly these (a multi-worker entry
-#: slots in here once MultiWorkerMirroredStrategy lands).
+def _multi_worker(config: TrainConfig) -> Strategy:
+    # Built from torchrun's environment; without one it is a single worker.
+    return MultiWorkerMirroredStrategy(replicas_per_worker=config.replicas_per_worker)
+
+
+#: strategy name -> factory; the CLI offers exactly these.
 STRATEGIES: dict[str, Callable[[TrainConfig], Strategy]] = {
     "mirrored": _mirrored,
     "one_device": _one_device,
+    "multi_worker": _multi_worker,
 }
 
 
@@ -184,6 +191,12 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
     net = copy.deepcopy(initial)
     strategy = make_strategy(config)
     n = strategy.num_replicas_in_sync
+    chief = strategy.extended.input_pipeline_id == 0
+    if not chief:  # one worker reports for all
+        log = lambda s: None  # noqa: E731
+        config = dataclasses.replace(config, progress=False)
+    log(f"crossreplica train: {config.strategy} strategy, {n} replica(s) in sync, {config.epochs} "
+        f"epochs, global batch {config.batch_size}, lr {config.lr}, seed {config.seed}")
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(config.threads or max(1, _cores() // n))
     bar = _progress(config)
@@ -222,7 +235,7 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
     copies = strategy.experimental_local_results(model)
     identical = all(torch.equal(a, b) for m in copies[1:]
                     for a, b in zip(copies[0].state_dict().values(), m.state_dict().values()))
-    result = TrainResult(config, history, seconds, identical, model=copies[0])
+    result = TrainResult(config, history, seconds, identical, model=copies[0], chief=chief)
     if config.compare:
         t0 = time.perf_counter()
         reference = train_reference(config, copy.deepcopy(initial), x_train, y_train)

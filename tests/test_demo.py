@@ -58,3 +58,38 @@ def test_config_validation():
         demo.train(demo.TrainConfig(replicas=0), log=None)
     with pytest.raises(ValueError, match="strategy must be one of"):
         demo.train(demo.TrainConfig(strategy="tpu"), log=None)
+
+
+def test_multi_worker_without_launcher_is_one_worker():
+    # No torchrun environment: MultiWorkerMirroredStrategy runs as a single worker.
+    result = demo.train(demo.TrainConfig(strategy="multi_worker", epochs=1, progress=False), log=None)
+    assert result.chief and result.replicas_identical and result.max_abs_param_diff < 1e-4
+
+
+@pytest.mark.multiprocess
+def test_cli_train_multi_worker_under_torchrun():
+    """The README's two-process command: torchrun, 2 workers, the chief reports once."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from harness_processes import REPO, _env, free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "crossreplica.cli",
+           "train", "--strategy", "multi_worker", "--epochs", "2", "--no-progress"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(None), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    assert proc.returncode == 0, out
+    assert "multi_worker strategy, 2 replica(s) in sync" in out
+    assert out.count("done in ") == 1  # only the chief reports
+    diff = float(re.search(r"max \|parameter difference\| = (\S+)", out).group(1))
+    assert diff < 1e-4
