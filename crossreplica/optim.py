@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 
 from .context import get_strategy, has_strategy, require_replica_context
-from .engines.base import Call
+from .engines.base import INPLACE, Call
 from .groups import Groups, group_of, resolve_groups
 from .packing import PackedBuffers
 from .reduce_op import ReduceOp
@@ -318,7 +318,8 @@ class CrossShardOptimizer(torch.optim.Optimizer):
             # An unweighted mean lets the engine divide while each block is hot in cache; that
             # is the same sum-then-divide, so bitwise the result of cr.all_reduce(g, "mean").
             op = ReduceOp.MEAN if self._reduction is ReduceOp.MEAN and not weighted else ReduceOp.SUM
-            outs = rctx.engine.execute(rid, Call.of("all_reduce", groups, (op,), buffers), buffers)
+            # In place: the packs and large gradients are this replica's own buffers.
+            outs = rctx.engine.execute(rid, Call.of("all_reduce", groups, (op, INPLACE), buffers), buffers)
             if weighted:
                 total_weight = float(outs[-1].item())
                 outs = outs[:-1]

@@ -62,7 +62,14 @@ def test_config_validation():
 
 def test_multi_worker_without_launcher_is_one_worker():
     # No torchrun environment: MultiWorkerMirroredStrategy runs as a single worker.
-    result = demo.train(demo.TrainConfig(strategy="multi_worker", epochs=1, progress=False), log=None)
+    import torch.distributed as dist
+
+    had_group = dist.is_initialized()
+    try:
+        result = demo.train(demo.TrainConfig(strategy="multi_worker", epochs=1, progress=False), log=None)
+    finally:
+        if dist.is_initialized() and not had_group:  # leave no process group to later tests
+            dist.destroy_process_group()
     assert result.chief and result.replicas_identical and result.max_abs_param_diff < 1e-4
 
 

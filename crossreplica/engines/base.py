@@ -23,12 +23,31 @@ import torch
 
 from ..groups import Groups
 
-__all__ = ["Call", "Engine", "KINDS"]
+__all__ = ["Call", "Engine", "KINDS", "INPLACE", "is_inplace", "check_inplace"]
 
-# all_reduce/reduce_scatter params: (op,); all_gather: (dim,); all_to_all:
-# (split_dim, concat_dim); broadcast: (source,); permute: (pairs,).
+INPLACE = "inplace"
+
+# all_reduce params: (op,) or (op, INPLACE); reduce_scatter: (op, dims, sizes);
+# all_gather: (dims,); all_to_all: (split_dims, concat_dims); broadcast: (source,);
+# permute: (pairs,). An in-place all-reduce writes the results into the input
+# tensors (which must be contiguous) and returns them: for callers that own
+# their buffers, such as the optimizer's gradient packs.
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "permute",
          "merge_call", "barrier")
+
+
+def is_inplace(call: "Call") -> bool:
+    return call.kind == "all_reduce" and len(call.params) > 1 and call.params[1] == INPLACE
+
+
+def check_inplace(payloads: Sequence[Sequence[torch.Tensor]]) -> None:
+    """In-place all-reduce writes into its inputs, so they must be contiguous."""
+    for xs in payloads:
+        for t, x in enumerate(xs):
+            if not x.is_contiguous():
+                raise ValueError(
+                    f"an in-place all_reduce needs contiguous tensors; tensor {t} has shape "
+                    f"{list(x.shape)} and strides {list(x.stride())}")
 
 
 class Call(NamedTuple):

@@ -26,7 +26,7 @@ import torch
 from ..errors import CollectiveMismatchError
 from ..groups import Groups
 from ..reduce_op import ReduceOp
-from .base import Call, Engine
+from .base import Call, Engine, check_inplace, is_inplace
 from .buffer_pool import BufferPool
 from .rendezvous import Rendezvous
 
@@ -203,7 +203,9 @@ class ThreadsEngine(Engine):
         nbytes = sum(math.prod(s) * d.itemsize for s, d in zip(call.shapes, call.dtypes))
         parallel = (self.num_replicas > 1 and nbytes >= PARALLEL_BYTES
                     and all(len(g) > 1 for g in call.groups) and call.kind != "permute")
-        if parallel:
+        if is_inplace(call):
+            check_inplace(payloads)
+        elif parallel:
             for xs in payloads:
                 for t, x in enumerate(xs):
                     if not x.is_contiguous():
@@ -236,14 +238,26 @@ class ThreadsEngine(Engine):
 
     def _lead_all_reduce(self, calls: list[Call], payloads: list, parallel: bool) -> _Plan:
         call = calls[0]
+        inplace = is_inplace(call)
         if parallel:
-            outputs = [[self._pool.empty(shape, dtype, x.device)
-                        for shape, dtype, x in zip(call.shapes, call.dtypes, xs)] for xs in payloads]
+            outputs = payloads if inplace else [
+                [self._pool.empty(shape, dtype, x.device) for shape, dtype, x in zip(call.shapes, call.dtypes, xs)]
+                for xs in payloads]
             return _Plan(outputs, True, calls, payloads)
+        if inplace:
+            for members in self._sorted_members(call.groups):
+                if len(members) > 1:
+                    op: ReduceOp = calls[members[0]].params[0]
+                    for t in range(len(call.shapes)):
+                        xs = [payloads[m][t] for m in members]
+                        acc = reduced(op, [x.to(xs[0].device) for x in xs])
+                        for x in xs:
+                            x.copy_(acc)
+            return _Plan(payloads)
         outputs: list[Any] = [None] * len(payloads)
         leaves = range(len(call.shapes))
         for members in self._sorted_members(call.groups):
-            op: ReduceOp = calls[members[0]].params[0]
+            op = calls[members[0]].params[0]
             per_member: list[list[torch.Tensor]] = [[] for _ in members]
             for t in leaves:
                 xs = [payloads[m][t] for m in members]

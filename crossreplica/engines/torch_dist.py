@@ -53,7 +53,7 @@ import torch.distributed as dist
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, CrossReplicaError, ReplicaAborted
 from ..groups import Groups
 from ..reduce_op import ReduceOp
-from .base import Call, Engine
+from .base import Call, Engine, check_inplace, is_inplace
 from .buffer_pool import BufferPool
 from .threads import check_agreement, reduce_into
 
@@ -159,6 +159,7 @@ class TorchDistEngine(Engine):
         # The one-local-replica all-reduce works in place on its own copy of the
         # input: reused buffers spare the page faults of a fresh one each call.
         self._pool = BufferPool(max_buffers=8)
+        self._inplace = False
 
     @staticmethod
     def _default_store() -> Any:
@@ -220,13 +221,24 @@ class TorchDistEngine(Engine):
                 self._check_signatures(calls)
             if call.kind == "finished":
                 return [[]]
-            payloads = [[t if t.is_contiguous() else t.contiguous() for t in p] for p in payloads]
+            self._inplace = inplace = is_inplace(call)
+            if inplace:
+                check_inplace(payloads)
+            else:
+                payloads = [[t if t.is_contiguous() else t.contiguous() for t in p] for p in payloads]
             # Parameters agree within a group but may differ between groups (an uneven
             # all_gather's sizes, a group-dependent broadcast source): look them up per group.
             self._params = {r: c.params for r, c in zip(self.local_replica_ids, calls)}
             kind = call.kind
             if kind == "all_reduce":
-                return self._all_reduce(call.groups, payloads)
+                outs = self._all_reduce(call.groups, payloads)
+                if inplace:  # results that are not already the inputs are copied into them
+                    for xs, os_ in zip(payloads, outs):
+                        for t, (x, o) in enumerate(zip(xs, os_)):
+                            if o.data_ptr() != x.data_ptr():
+                                x.copy_(o)
+                            os_[t] = x
+                return outs
             if kind == "reduce_scatter":
                 return self._reduce_scatter(call, payloads)
             if kind == "all_gather":
@@ -339,7 +351,9 @@ class TorchDistEngine(Engine):
                     if t in ordered:
                         continue
                     xs = [payloads[idx[r]][t] for r in local]
-                    if len(xs) == 1:  # our own copy: the collective works in place
+                    if len(xs) == 1 and self._inplace and xs[0].device == self.comm_device:
+                        p = xs[0]  # the caller's own buffer: reduced where it lies, no copy
+                    elif len(xs) == 1:  # our own copy: the collective works in place
                         p = self._pool.empty(tuple(xs[0].shape), xs[0].dtype, self.comm_device).copy_(xs[0])
                     else:
                         xs = [x.to(self.comm_device) for x in xs]
