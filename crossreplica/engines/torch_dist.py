@@ -184,8 +184,11 @@ class TorchDistEngine(Engine):
         """Tells every other worker (through the store) that this one failed."""
         if isinstance(exc, (ReplicaAborted, CollectiveTimeoutError, CollectiveMismatchError)):
             return  # a consequence of another failure, already known everywhere
-        message = (f"worker rank {self.rank} (replicas {list(self.local_replica_ids)}): replica "
-                   f"{replica_id} raised {type(exc).__name__}: {exc}")
+        self._announce(f"worker rank {self.rank} (replicas {list(self.local_replica_ids)}): replica "
+                       f"{replica_id} raised {type(exc).__name__}: {exc}")
+
+    def _announce(self, message: str) -> None:
+        """Sets the store's abort key (the other workers stop waiting) and breaks this engine."""
         if self._store is not None:
             try:
                 self._store.set(f"{self._prefix}/abort", message)
@@ -720,6 +723,14 @@ class TorchDistEngine(Engine):
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, list(calls))
         all_calls = [c for worker_calls in gathered for c in worker_calls]
+        finished = [c.kind == "finished" for c in all_calls]
+        if any(finished) and not all(finished):
+            # the in-process engines' wording for a replica that returned while others wait
+            lines = "\n".join(f"  replica {r}: {c.describe()}" for r, c in enumerate(all_calls))
+            raise CollectiveMismatchError(
+                f"replicas made different collective calls (cross-process call #{self._count}; found by "
+                f"check_collectives): some replicas returned from the replica function while others "
+                f"wait:\n{lines}")
         try:
             check_agreement(all_calls, list(range(self.num_replicas)))
         except CollectiveMismatchError as e:
