@@ -266,10 +266,53 @@ def pool(num_replicas: int, timeout: float, check: bool = False) -> Pool:
 
 
 def shutdown() -> None:
-    """Kills every pool (pytest session end / interpreter exit)."""
+    """Kills every pool, then stops the forkserver (pytest session end / interpreter exit)."""
     while _pools:
         _, p = _pools.popitem()
         p.close()
+    _stop_forkserver()
+
+
+def _stop_forkserver() -> None:
+    """Stops the forkserver and the resource tracker it started (as their private _stop
+    methods do, with bounded waits): closing a helper's 'alive' fd makes it exit, and it
+    is reaped here rather than left to init as a zombie."""
+    import multiprocessing.forkserver as fsm
+    import multiprocessing.resource_tracker as rtm
+
+    if _ctx is None:
+        return
+    fs = getattr(fsm, "_forkserver", None)
+    if fs is not None and getattr(fs, "_forkserver_pid", None) is not None:
+        with fs._lock:  # noqa: SLF001 - private state of the stdlib forkserver
+            _end_helper(fs._forkserver_pid, fs._forkserver_alive_fd)  # noqa: SLF001
+            address = fs._forkserver_address  # noqa: SLF001
+            if address and os.path.exists(address):
+                os.unlink(address)
+            fs._forkserver_pid = fs._forkserver_alive_fd = fs._forkserver_address = None  # noqa: SLF001
+    rt = getattr(rtm, "_resource_tracker", None)
+    if rt is not None and getattr(rt, "_pid", None) is not None:
+        with rt._lock:  # noqa: SLF001
+            _end_helper(rt._pid, rt._fd)  # noqa: SLF001
+            rt._pid = rt._fd = None  # noqa: SLF001
+
+
+def _end_helper(pid: int, alive_fd: int | None, grace: float = 5.0) -> None:
+    try:
+        if alive_fd is not None:
+            os.close(alive_fd)
+    except OSError:
+        pass
+    deadline = time.monotonic() + grace
+    try:
+        while os.waitpid(pid, os.WNOHANG)[0] == 0:
+            if time.monotonic() >= deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)  # SIGKILL cannot be ignored: returns at once
+                return
+            time.sleep(0.02)
+    except (ChildProcessError, ProcessLookupError):
+        pass
 
 
 atexit.register(shutdown)
