@@ -66,8 +66,22 @@ def run_threads(fn: Callable[..., Any], num_replicas: int, *per_replica_args: Se
     return [box.value for box in result.values]
 
 
-RUNNERS: dict[str, Callable[..., list[Any]]] = {"threads": run_threads}
+def run_processes(fn: Callable[..., Any], num_replicas: int, *per_replica_args: Sequence[Any],
+                  timeout_seconds: float = DEFAULT_TIMEOUT, check_collectives: bool = False) -> list[Any]:
+    """The same contract on real processes: persistent worker pools (tests/process_pool.py).
+
+    ``check_collectives``: build the workers' strategy with it (conftest turns it on for
+    tests marked ``detects_mismatch``; the in-process engine always checks)."""
+    from process_pool import run_pooled
+
+    return run_pooled(fn, num_replicas, *per_replica_args, timeout_seconds=timeout_seconds,
+                      check_collectives=check_collectives)
+
+
+RUNNERS: dict[str, Callable[..., list[Any]]] = {"threads": run_threads, "processes": run_processes}
 
 # Seconds an engine needs to start its replicas (processes: the launcher and
 # process-group set-up); time bounds in failure tests are added to it.
-STARTUP_SECONDS: dict[str, float] = {"threads": 0.0}
+# A pool of processes starts lazily (on its layout's first job, and again after a failed
+# job): a fork from a forkserver that has imported torch, then process-group set-up.
+STARTUP_SECONDS: dict[str, float] = {"threads": 0.0, "processes": 10.0}

@@ -66,6 +66,7 @@ MISMATCHES = [
 ]
 
 
+@pytest.mark.detects_mismatch
 @pytest.mark.parametrize("what, plan0, plan1, shape0, shape1, dtype0, dtype1, lines", MISMATCHES,
                          ids=[m[0] for m in MISMATCHES])
 def test_mismatch_lists_each_replica_call(run_replicas, time_bound, what, plan0, plan1, shape0, shape1, dtype0, dtype1, lines):
@@ -79,6 +80,7 @@ def test_mismatch_lists_each_replica_call(run_replicas, time_bound, what, plan0,
     _assert_usable(run_replicas, 2)
 
 
+@pytest.mark.detects_mismatch
 def test_mismatch_of_one_replica_among_four(run_replicas, time_bound):
     plans = [[("all_reduce", {})]] * 3 + [[("all_reduce", {"op": "min"})]]
     start = time.monotonic()
@@ -88,6 +90,7 @@ def test_mismatch_of_one_replica_among_four(run_replicas, time_bound):
     _assert_usable(run_replicas, 4)
 
 
+@pytest.mark.detects_mismatch
 def test_replica_that_returns_early_is_named(run_replicas, time_bound):
     # replica 1 skips the second all_reduce and returns while replica 0 waits
     plans = [[("all_reduce", {}), ("all_reduce", {})], [("all_reduce", {})]]
@@ -100,6 +103,11 @@ def test_replica_that_returns_early_is_named(run_replicas, time_bound):
     _assert_usable(run_replicas, 2)
 
 
+@pytest.mark.engine_xfail("processes", reason=(
+    "torch.distributed engines name the missing *workers*: on 2 workers x 2 replicas the timeout "
+    "error says 'worker ranks [1] (replicas [2, 3]) never arrived' (missing == (2, 3)) although "
+    "replica 3 reached its worker's local rendezvous; the cross-process store records arrivals "
+    "per worker, not per replica"))
 def test_missing_replica_times_out_naming_it(run_replicas, time_bound):
     # replica 2 is busy elsewhere for longer than the timeout, then skips the collective
     plans = [[("all_reduce", {})], [("all_reduce", {})], [("sleep", 1.5)], [("all_reduce", {})]]

@@ -93,4 +93,12 @@ class HierarchicalEngine(TorchDistEngine):
 
     def abort(self, replica_id: int, exc: BaseException) -> None:
         self.rendezvous.abort(self._index[replica_id], exc)
+        if isinstance(exc, CollectiveMismatchError) and self._broken is None:
+            # Found among this worker's own replicas (the local check, or a replica that
+            # returned while a sibling waits), before any cross-process call: the other
+            # workers cannot know, so tell them as for a raising replica, or they would
+            # wait out the whole timeout.
+            self._announce(f"worker rank {self.rank} (replicas {list(self.local_replica_ids)}): "
+                           f"its replicas disagree: {exc}")
+            return
         super().abort(replica_id, exc)

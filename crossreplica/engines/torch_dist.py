@@ -160,6 +160,7 @@ class TorchDistEngine(Engine):
         # input: reused buffers spare the page faults of a fresh one each call.
         self._pool = BufferPool(max_buffers=8)
         self._inplace = False
+        self._exchanges: dict[int, int] = {}  # peer worker -> point-to-point exchanges with it so far
 
     @staticmethod
     def _default_store() -> Any:
@@ -188,8 +189,11 @@ class TorchDistEngine(Engine):
         """Tells every other worker (through the store) that this one failed."""
         if isinstance(exc, (ReplicaAborted, CollectiveTimeoutError, CollectiveMismatchError)):
             return  # a consequence of another failure, already known everywhere
-        message = (f"worker rank {self.rank} (replicas {list(self.local_replica_ids)}): replica "
-                   f"{replica_id} raised {type(exc).__name__}: {exc}")
+        self._announce(f"worker rank {self.rank} (replicas {list(self.local_replica_ids)}): replica "
+                       f"{replica_id} raised {type(exc).__name__}: {exc}")
+
+    def _announce(self, message: str) -> None:
+        """Sets the store's abort key (the other workers stop waiting) and breaks this engine."""
         if self._store is not None:
             try:
                 self._store.set(f"{self._prefix}/abort", message)
@@ -634,8 +638,17 @@ class TorchDistEngine(Engine):
                     ops.append(dist.P2POp(dist.isend, buf, w))
         if ops:
             peers = tuple(sorted(set(sends) | set(recvs) | {self.rank}))
-            for work in dist.batch_isend_irecv(ops):
-                self._wait(work, peers)
+            works = dist.batch_isend_irecv(ops)
+            if self.backend == "nccl" or self._store is None:
+                for work in works:
+                    self._wait(work, peers)
+            else:
+                # gloo's send/recv works cannot be waited on in slices: a timed-out wait
+                # completes the work with an error (the recv is lost). So wait for the peers
+                # to arrive through the store (sliced, abort-aware), then for the transfer.
+                deadline = self._await_peers([w for w in peers if w != self.rank], peers)
+                for work in works:
+                    work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
         return {w: _unpack(inbox[w], recvs[w])[0] for w in recvs}
 
     def _all_to_all(self, call: Call, payloads: Sequence[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
@@ -728,6 +741,14 @@ class TorchDistEngine(Engine):
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, list(calls))
         all_calls = [c for worker_calls in gathered for c in worker_calls]
+        finished = [c.kind == "finished" for c in all_calls]
+        if any(finished) and not all(finished):
+            # the in-process engines' wording for a replica that returned while others wait
+            lines = "\n".join(f"  replica {r}: {c.describe()}" for r, c in enumerate(all_calls))
+            raise CollectiveMismatchError(
+                f"replicas made different collective calls (cross-process call #{self._count}; found by "
+                f"check_collectives): some replicas returned from the replica function while others "
+                f"wait:\n{lines}")
         try:
             check_agreement(all_calls, list(range(self.num_replicas)))
         except CollectiveMismatchError as e:
@@ -767,6 +788,38 @@ class TorchDistEngine(Engine):
                     f"collective {self._where} timed out after {self._timeout:g}s on worker rank "
                     f"{self.rank}: worker ranks {list(missing)} (replicas {list(replicas)}) never "
                     f"arrived (ranks taking part: {list(ranks)})", replicas)
+
+    def _await_peers(self, peers: Sequence[int], ranks: Sequence[int]) -> float:
+        """Posts this worker's arrival at its next exchange with each of ``peers`` and waits
+        (abort-aware, bounded by the timeout) until each has posted its arrival at the same
+        exchange; returns the deadline. Both sides of a pair walk their exchanges in the
+        same order, so a per-pair count names the same exchange on both."""
+        deadline = time.monotonic() + self._timeout
+        want = {}
+        for w in peers:
+            want[w] = self._exchanges.get(w, 0) + 1
+            self._exchanges[w] = want[w]
+            self._store.add(f"{self._prefix}/p2p/{self.rank}->{w}", 1)
+        pause, posted = 0.0005, False
+        while True:
+            waiting = [w for w in peers if self._store.add(f"{self._prefix}/p2p/{w}->{self.rank}", 0) < want[w]]
+            if not waiting:
+                return deadline
+            if not posted and pause >= 0.01:
+                self._post_progress()
+                posted = True
+            aborted = self._abort_message()
+            if aborted is not None:
+                raise ReplicaAborted(f"{aborted}; this worker was released from {self._where}")
+            if time.monotonic() >= deadline:
+                R = self.replicas_per_worker
+                replicas = tuple(r for w in waiting for r in range(w * R, (w + 1) * R))
+                raise CollectiveTimeoutError(
+                    f"collective {self._where} timed out after {self._timeout:g}s on worker rank "
+                    f"{self.rank}: worker ranks {waiting} (replicas {list(replicas)}) never "
+                    f"arrived (ranks taking part: {list(ranks)})", replicas)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
 
     def _post_progress(self) -> None:
         if self._store is not None:
