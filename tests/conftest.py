@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import functools
+import os
 
-import pytest
+# Before crossreplica is imported (here, through harness, or in a worker): the
+# threads engine's parallel path starts at 256 KiB per replica, so the suite's
+# "large" tensors (test_collectives.LARGE) take it without being slow.
+os.environ.setdefault("CROSSREPLICA_PARALLEL_BYTES", str(256 * 1024))
 
-from harness import RUNNERS, STARTUP_SECONDS
+import pytest  # noqa: E402
+
+from harness import RUNNERS, STARTUP_SECONDS  # noqa: E402
 
 # Adding an engine to the whole suite: add its name here and its runner to
 # harness.RUNNERS. Engines other than "threads" spawn processes and are
