@@ -1,11 +1,12 @@
 """Data-parallel training step across processes: crossreplica vs torch DistributedDataParallel.
 
-    PYTHONPATH=$PWD python benchmarks/dist_training.py [--workers 2] [--steps 40]
+    PYTHONPATH=$PWD python benchmarks/dist_training.py [--workers 2] [--steps 40] [--width N]
 
-Both sides train the same MLP on the same per-replica batches over gloo in the
-same run. crossreplica: ``strategy.run(step)`` where the step all-reduces the
-whole gradient list in one ``cr.all_reduce(grads, "mean")`` call (packed into
-one buffer per dtype by the engine: the mechanism CrossShardOptimizer uses).
+Both sides train the same model on the same per-replica batches over gloo in
+the same run, one intra-op thread per process. The default model is the demo's
+(crossreplica.demo.make_model: MLP 64-128-128-10); ``--width N`` trains an MLP
+256-N-N-10 instead. crossreplica: ``strategy.run(step)`` with
+``cr.CrossShardOptimizer(SGD)`` (gradients packed and all-reduced in place).
 DDP: ``DistributedDataParallel(model)`` with its default 25 MiB buckets, which
 overlap the reduction with the backward pass. Prints median step times on
 rank 0 and checks that both end with the same parameters.
@@ -32,25 +33,29 @@ def worker(steps: int, width: int) -> None:
     strategy = cr.MultiWorkerMirroredStrategy(timeout_seconds=600)
     rank = strategy.extended.worker_rank
 
+    from crossreplica.demo import make_model
+
+    torch.set_num_threads(1)
+    inputs = 64 if width == 0 else 256
+
     def make() -> torch.nn.Module:
+        if width == 0:
+            return make_model(128, seed=0)
         torch.manual_seed(0)
         return torch.nn.Sequential(torch.nn.Linear(256, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
                                    torch.nn.ReLU(), torch.nn.Linear(width, 10))
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(step * 1000 + rank)
-        return torch.randn(64, 256, generator=g), torch.randint(0, 10, (64,), generator=g)
+        return torch.randn(64, inputs, generator=g), torch.randint(0, 10, (64,), generator=g)
 
     ours = make()
-    opt = torch.optim.SGD(ours.parameters(), lr=0.01)
+    opt = cr.CrossShardOptimizer(torch.optim.SGD(ours.parameters(), lr=0.01))
     params = list(ours.parameters())
 
     def step_fn(x: torch.Tensor, y: torch.Tensor) -> None:
         opt.zero_grad()
         torch.nn.functional.cross_entropy(ours(x), y).backward()
-        grads = cr.all_reduce([p.grad for p in params], "mean")
-        for p, g in zip(params, grads):
-            p.grad = g
         opt.step()
 
     ddp = DistributedDataParallel(make())
@@ -80,7 +85,7 @@ def worker(steps: int, width: int) -> None:
               f"batch 64 per replica, {steps} steps (first 3 dropped)")
         print("| path | median step | vs DDP |\n|---|---|---|")
         print(f"| torch DDP | {b * 1e3:.2f} ms | 1.00 |")
-        print(f"| crossreplica (one packed cr.all_reduce) | {a * 1e3:.2f} ms | {a / b:.2f} |")
+        print(f"| crossreplica (CrossShardOptimizer) | {a * 1e3:.2f} ms | {a / b:.2f} |")
         print(f"final parameters equal: {same}")
     strategy.close()
 
@@ -89,7 +94,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--width", type=int, default=0, help="MLP width (default 0: the demo model)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
