@@ -23,7 +23,7 @@ import torch
 
 from ..groups import Groups
 
-__all__ = ["Call", "Engine", "KINDS", "INPLACE", "is_inplace", "check_inplace"]
+__all__ = ["Call", "Engine", "KINDS", "INPLACE", "is_inplace", "check_inplace", "scatter_slice"]
 
 INPLACE = "inplace"
 
@@ -48,6 +48,15 @@ def check_inplace(payloads: Sequence[Sequence[torch.Tensor]]) -> None:
                 raise ValueError(
                     f"an in-place all_reduce needs contiguous tensors; tensor {t} has shape "
                     f"{list(x.shape)} and strides {list(x.stride())}")
+
+
+def scatter_slice(extent: int, pos: int, k: int, sizes: Sequence[int] | None) -> tuple[int, int]:
+    """``(start, length)`` along the scattered dim for the member at ``pos`` of ``k``:
+    equal chunks, or the per-member ``sizes`` an uneven all_gather's backward passes."""
+    if sizes is None:
+        c = extent // k
+        return pos * c, c
+    return sum(sizes[:pos]), sizes[pos]
 
 
 class Call(NamedTuple):

@@ -26,7 +26,7 @@ import torch
 from ..errors import CollectiveMismatchError
 from ..groups import Groups
 from ..reduce_op import ReduceOp
-from .base import Call, Engine, check_inplace, is_inplace
+from .base import Call, Engine, check_inplace, is_inplace, scatter_slice
 from .buffer_pool import BufferPool
 from .rendezvous import Rendezvous
 
@@ -343,11 +343,7 @@ class ThreadsEngine(Engine):
             elif kind == "reduce_scatter":
                 op, dims, sizes = call.params
                 d = dims[t]
-                if sizes is None:
-                    c = x.shape[d] // k
-                    start, length = pos * c, c
-                else:
-                    start, length = sum(sizes[t][:pos]), sizes[t][pos]
+                start, length = scatter_slice(x.shape[d], pos, k, None if sizes is None else sizes[t])
                 xs = [payloads[m][t].narrow(d, start, length).to(x.device) for m in sorted_members]
                 out.append(reduce_into(op, torch.empty_like(xs[0], memory_format=torch.contiguous_format), xs))
             elif kind == "all_to_all":

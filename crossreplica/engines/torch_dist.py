@@ -53,7 +53,7 @@ import torch.distributed as dist
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, CrossReplicaError, ReplicaAborted
 from ..groups import Groups
 from ..reduce_op import ReduceOp
-from .base import Call, Engine, check_inplace, is_inplace
+from .base import Call, Engine, check_inplace, is_inplace, scatter_slice
 from .buffer_pool import BufferPool
 from .threads import check_agreement, reduce_into
 
@@ -497,11 +497,7 @@ class TorchDistEngine(Engine):
             row = []
             for t, x in enumerate(full[i]):
                 d = dims[t]
-                if sizes is None:
-                    c = x.shape[d] // k
-                    start, length = pos * c, c
-                else:
-                    start, length = sum(sizes[t][:pos]), sizes[t][pos]
+                start, length = scatter_slice(x.shape[d], pos, k, None if sizes is None else sizes[t])
                 row.append(x.narrow(d, start, length).clone(memory_format=torch.contiguous_format))
             outs.append(row)
         return outs
@@ -777,17 +773,7 @@ class TorchDistEngine(Engine):
             if not posted:
                 self._post_progress()
                 posted = True
-            aborted = self._abort_message()
-            if aborted is not None:
-                raise ReplicaAborted(f"{aborted}; this worker was released from {self._where}")
-            if time.monotonic() >= deadline:
-                missing = self._missing(ranks)
-                R = self.replicas_per_worker
-                replicas = tuple(r for w in missing for r in range(w * R, (w + 1) * R))
-                raise CollectiveTimeoutError(
-                    f"collective {self._where} timed out after {self._timeout:g}s on worker rank "
-                    f"{self.rank}: worker ranks {list(missing)} (replicas {list(replicas)}) never "
-                    f"arrived (ranks taking part: {list(ranks)})", replicas)
+            self._raise_if_aborted_or_late(deadline, ranks, lambda: self._missing(ranks))
 
     def _await_peers(self, peers: Sequence[int], ranks: Sequence[int]) -> float:
         """Posts this worker's arrival at its next exchange with each of ``peers`` and waits
@@ -808,18 +794,25 @@ class TorchDistEngine(Engine):
             if not posted and pause >= 0.01:
                 self._post_progress()
                 posted = True
-            aborted = self._abort_message()
-            if aborted is not None:
-                raise ReplicaAborted(f"{aborted}; this worker was released from {self._where}")
-            if time.monotonic() >= deadline:
-                R = self.replicas_per_worker
-                replicas = tuple(r for w in waiting for r in range(w * R, (w + 1) * R))
-                raise CollectiveTimeoutError(
-                    f"collective {self._where} timed out after {self._timeout:g}s on worker rank "
-                    f"{self.rank}: worker ranks {waiting} (replicas {list(replicas)}) never "
-                    f"arrived (ranks taking part: {list(ranks)})", replicas)
+            self._raise_if_aborted_or_late(deadline, ranks, lambda: waiting)
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
+
+    def _raise_if_aborted_or_late(self, deadline: float, ranks: Sequence[int],
+                                  missing: Any) -> None:
+        """Raises if another worker announced a failure, or ``deadline`` has passed
+        (naming the worker ranks ``missing()`` returns and their replicas)."""
+        aborted = self._abort_message()
+        if aborted is not None:
+            raise ReplicaAborted(f"{aborted}; this worker was released from {self._where}")
+        if time.monotonic() >= deadline:
+            late = list(missing())
+            R = self.replicas_per_worker
+            replicas = tuple(r for w in late for r in range(w * R, (w + 1) * R))
+            raise CollectiveTimeoutError(
+                f"collective {self._where} timed out after {self._timeout:g}s on worker rank "
+                f"{self.rank}: worker ranks {late} (replicas {list(replicas)}) never "
+                f"arrived (ranks taking part: {list(ranks)})", replicas)
 
     def _post_progress(self) -> None:
         if self._store is not None:
