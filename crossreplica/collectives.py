@@ -80,7 +80,7 @@ def _raw(rctx: ReplicaContext, kind: str, groups: Groups, params: tuple,
     # device threads hold none.
     current = get_replica_context()
     if current is not None:
-        current.check_current(f"cr.{kind}")
+        current.check_current("cr.", kind)
     call = Call.of(kind, groups, params, tensors)
     return rctx.engine.execute(rctx.replica_id_in_sync_group, call, tensors)
 

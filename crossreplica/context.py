@@ -120,15 +120,16 @@ class ReplicaContext:
         self._engine = engine
         self._run = run  # the run this context belongs to (StrategyExtended's run token)
 
-    def check_current(self, api: str) -> None:
+    def check_current(self, prefix: str, name: str = "") -> None:
         """Raises if this replica's run was abandoned (a later run is under way).
 
         A replica left behind by a failed run must not join the collectives of
-        the next run in its seat."""
+        the next run in its seat. ``prefix + name`` names the API; it is joined
+        only when raising, since this runs on every collective."""
         if self._run is not None and getattr(self._strategy.extended, "_run_token", None) is not self._run:
             from .errors import ReplicaAborted
             raise ReplicaAborted(
-                f"{api} was called by replica {self._replica_id} of a run that already failed and "
+                f"{prefix}{name} was called by replica {self._replica_id} of a run that already failed and "
                 f"was abandoned; it does not take part in later runs")
 
     @property
