@@ -24,4 +24,4 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     "${PIP[@]}" "$TORCH_REQ"
   fi
 fi
-"${PIP[@]}" -e ".[examples,dev]"
+"${PIP[@]}" -e ".[examples,dev,benchmarks]"
