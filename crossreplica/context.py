@@ -1,5 +1,11 @@
 """Strategy and replica contexts: a thread-local stack, as in tf.distribute.
 
+Layer: contexts, just above values/groups and below collectives. This module
+imports nothing of crossreplica but errors and reduce_op: what it needs from a
+strategy is the typed :class:`StrategyLike` / :class:`ReplicaHost` interface
+below, and the default strategy comes from a factory the strategies layer
+registers (:func:`register_default_strategy`).
+
 Entering ``strategy.scope()`` pushes a cross-replica frame; each replica thread
 of ``strategy.run`` pushes a replica frame holding its :class:`ReplicaContext`;
 ``merge_call`` pushes a cross-replica frame while ``merge_fn`` runs. The stack
@@ -10,37 +16,85 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
-from .errors import ReplicaContextError
+from .errors import ReplicaAborted, ReplicaContextError
 from .reduce_op import ReduceOp
 
 if TYPE_CHECKING:
     import torch
 
     from .engines.base import Engine
-    from .strategies.base import Strategy
 
 __all__ = [
     "ReplicaContext",
+    "ReplicaHost",
+    "StrategyLike",
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
     "get_replica_context",
+    "register_default_strategy",
 ]
+
+
+class ReplicaHost(Protocol):
+    """What a replica context needs from its strategy's machinery (``strategy.extended``)."""
+
+    @property
+    def worker_devices(self) -> "tuple[torch.device, ...]":
+        """The local replicas' devices, in local order."""
+
+    @property
+    def run_token(self) -> object:
+        """Identifies the run in progress; a new run gets a new token."""
+
+    def merge_call(self, rctx: "ReplicaContext", merge_fn: Callable[..., Any], args: tuple,
+                   kwargs: dict) -> Any:
+        """Runs ``merge_fn`` once for the local replicas (see ReplicaContext.merge_call)."""
+
+    def replica_all_reduce(self, rctx: "ReplicaContext", reduce_op: ReduceOp | str, value: Any) -> Any:
+        """``ReplicaContext.all_reduce``: reduces ``value`` over every replica in sync."""
+
+    def replica_all_gather(self, rctx: "ReplicaContext", value: Any, axis: int) -> Any:
+        """``ReplicaContext.all_gather``: concatenates ``value`` over every replica in sync."""
+
+
+class StrategyLike(Protocol):
+    """What the context stack needs from a strategy."""
+
+    @property
+    def extended(self) -> ReplicaHost: ...
+
+    @property
+    def num_replicas_in_sync(self) -> int: ...
+
+
+Frame = tuple[StrategyLike, "ReplicaContext | None"]
 
 
 class _Stack(threading.local):
     def __init__(self) -> None:
-        self.frames: list[tuple["Strategy", "ReplicaContext | None"]] = []
+        self.frames: list[Frame] = []
 
 
 _stack = _Stack()
-_default_strategy: "Strategy | None" = None
+_default_factory: Callable[[], Any] | None = None
+_default_strategy: Any = None
 _default_lock = threading.Lock()
 
 
-def push(strategy: "Strategy", replica_context: "ReplicaContext | None") -> None:
+def register_default_strategy(factory: Callable[[], Any]) -> None:
+    """Sets how the strategy used outside any scope is built (once, lazily).
+
+    The strategies layer registers its single-replica strategy here, so this
+    module never imports a layer above it."""
+    global _default_factory, _default_strategy
+    with _default_lock:
+        _default_factory, _default_strategy = factory, None
+
+
+def push(strategy: StrategyLike, replica_context: "ReplicaContext | None") -> None:
     _stack.frames.append((strategy, replica_context))
 
 
@@ -48,13 +102,13 @@ def pop() -> None:
     _stack.frames.pop()
 
 
-def top() -> "tuple[Strategy, ReplicaContext | None] | None":
+def top() -> Frame | None:
     frames = _stack.frames
     return frames[-1] if frames else None
 
 
 @contextlib.contextmanager
-def frame(strategy: "Strategy", replica_context: "ReplicaContext | None") -> Iterator[None]:
+def frame(strategy: StrategyLike, replica_context: "ReplicaContext | None") -> Iterator[None]:
     push(strategy, replica_context)
     try:
         yield
@@ -62,17 +116,18 @@ def frame(strategy: "Strategy", replica_context: "ReplicaContext | None") -> Ite
         pop()
 
 
-def _default() -> "Strategy":
+def _default() -> Any:
     global _default_strategy
     if _default_strategy is None:
         with _default_lock:
             if _default_strategy is None:
-                from .strategies.one_device import OneDeviceStrategy
-                _default_strategy = OneDeviceStrategy("cpu")
+                if _default_factory is None:
+                    raise RuntimeError("no default strategy is registered; import crossreplica first")
+                _default_strategy = _default_factory()
     return _default_strategy
 
 
-def get_strategy() -> "Strategy":
+def get_strategy() -> Any:
     """The strategy in scope, or a single-replica default strategy when none is."""
     t = top()
     return t[0] if t is not None else _default()
@@ -110,15 +165,16 @@ def require_replica_context(api: str) -> "ReplicaContext":
 class ReplicaContext:
     """What a replica function knows about itself and its peers."""
 
-    __slots__ = ("_strategy", "_replica_id", "_local_index", "_engine", "_run")
+    __slots__ = ("_strategy", "_host", "_replica_id", "_local_index", "_engine", "_run")
 
-    def __init__(self, strategy: "Strategy", replica_id: int, local_index: int, engine: "Engine",
+    def __init__(self, strategy: StrategyLike, replica_id: int, local_index: int, engine: "Engine",
                  run: object = None):
         self._strategy = strategy
+        self._host = strategy.extended
         self._replica_id = replica_id
         self._local_index = local_index
         self._engine = engine
-        self._run = run  # the run this context belongs to (StrategyExtended's run token)
+        self._run = run  # the run this context belongs to (its host's run_token then)
 
     def check_current(self, prefix: str, name: str = "") -> None:
         """Raises if this replica's run was abandoned (a later run is under way).
@@ -126,14 +182,13 @@ class ReplicaContext:
         A replica left behind by a failed run must not join the collectives of
         the next run in its seat. ``prefix + name`` names the API; it is joined
         only when raising, since this runs on every collective."""
-        if self._run is not None and getattr(self._strategy.extended, "_run_token", None) is not self._run:
-            from .errors import ReplicaAborted
+        if self._run is not None and self._host.run_token is not self._run:
             raise ReplicaAborted(
                 f"{prefix}{name} was called by replica {self._replica_id} of a run that already failed and "
                 f"was abandoned; it does not take part in later runs")
 
     @property
-    def strategy(self) -> "Strategy":
+    def strategy(self) -> Any:
         return self._strategy
 
     @property
@@ -146,11 +201,11 @@ class ReplicaContext:
 
     @property
     def devices(self) -> "tuple[torch.device, ...]":
-        return (self._strategy.extended.worker_devices[self._local_index],)
+        return (self._host.worker_devices[self._local_index],)
 
     @property
     def device(self) -> "torch.device":
-        return self._strategy.extended.worker_devices[self._local_index]
+        return self._host.worker_devices[self._local_index]
 
     @property
     def engine(self) -> "Engine":
@@ -162,13 +217,11 @@ class ReplicaContext:
 
     def all_reduce(self, reduce_op: ReduceOp | str, value: Any) -> Any:
         """All-reduces a nest of tensors over every replica in sync."""
-        from . import collectives
-        return collectives.all_reduce(value, reduce_op)
+        return self._host.replica_all_reduce(self, reduce_op, value)
 
     def all_gather(self, value: Any, axis: int) -> Any:
         """Concatenates every replica's ``value`` along ``axis`` (replica order)."""
-        from . import collectives
-        return collectives.all_gather(value, axis)
+        return self._host.replica_all_gather(self, value, axis)
 
     def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (),
                    kwargs: dict | None = None) -> Any:
@@ -183,7 +236,7 @@ class ReplicaContext:
             raise TypeError(f"args must be a tuple of positional arguments; got {args!r}")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs must be a dict or None; got {kwargs!r}")
-        return self._strategy.extended.merge_call(self, merge_fn, tuple(args), kwargs or {})
+        return self._host.merge_call(self, merge_fn, tuple(args), kwargs or {})
 
     def __repr__(self) -> str:
         return (f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, "

@@ -6,6 +6,12 @@ torch.device, a tensor (its device) or a DistributedValues (the device of each
 of its values). Results are always :class:`~crossreplica.values.Mirrored`,
 one copy per destination device, each a distinct tensor.
 
+Layer: cross-device ops, above collectives and contexts, below strategies.
+What the ops need from a strategy is a :class:`Reducer` (the strategy's
+``extended``), passed explicitly by ``strategy.extended.reduce_to`` and
+friends; called directly, as tf.distribute users do inside
+``strategy.scope()``, the ops take the strategy in scope.
+
 The arithmetic is the strategy's: :meth:`StrategyExtended.reduce_values`
 reduces in ascending replica order (and, for multi-process strategies, across
 processes), so a cross-device reduction equals the sequential
@@ -22,11 +28,12 @@ from __future__ import annotations
 
 import numbers
 from collections import abc
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
 from . import context
+from .arguments import check_int, check_number
 from .packing import flatten_pack, plan_packs
 from .reduce_op import ReduceOp, check_dtype, reduce_non_distributed_value
 from .values import DistributedValues, Mirrored
@@ -36,8 +43,8 @@ __all__ = [
     "CrossDeviceOps",
     "ReductionToOneDevice",
     "AllReduceCrossDeviceOps",
+    "Reducer",
     "get_devices_from",
-    "validate_destinations",
 ]
 
 #: Pack size AllReduceCrossDeviceOps.batch_reduce uses when options say 0.
@@ -57,14 +64,9 @@ class CommunicationOptions:
     __slots__ = ("bytes_per_pack", "timeout_seconds")
 
     def __init__(self, bytes_per_pack: int = 0, timeout_seconds: float | None = None):
-        if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int) or bytes_per_pack < 0:
-            raise ValueError(f"bytes_per_pack must be a non-negative int (0: automatic); got {bytes_per_pack!r}")
-        if timeout_seconds is not None and (isinstance(timeout_seconds, bool)
-                                            or not isinstance(timeout_seconds, numbers.Real)
-                                            or not timeout_seconds > 0):
-            raise ValueError(f"timeout_seconds must be a positive number or None; got {timeout_seconds!r}")
-        self.bytes_per_pack = bytes_per_pack
-        self.timeout_seconds = timeout_seconds
+        self.bytes_per_pack = check_int(bytes_per_pack, "bytes_per_pack", low=0, hint=" (0: automatic)")
+        self.timeout_seconds = (None if timeout_seconds is None else
+                                check_number(timeout_seconds, "timeout_seconds", positive=True, hint=" or None"))
 
     def __repr__(self) -> str:
         return (f"CommunicationOptions(bytes_per_pack={self.bytes_per_pack}, "
@@ -89,17 +91,12 @@ def _device_of(x: Any) -> torch.device | None:
     return None
 
 
-def validate_destinations(destinations: Any, argname: str = "destinations") -> None:
-    """Raises ValueError unless ``destinations`` names at least one device."""
-    get_devices_from(destinations, argname)
-
-
 def get_devices_from(destinations: Any, argname: str = "destinations") -> tuple[torch.device, ...]:
     """The devices ``destinations`` names, in order."""
     if isinstance(destinations, str):
         if not destinations:
             raise ValueError(f"{argname} must not be empty; pass {_DEST_HELP}")
-        from .strategies.devices import canonical_device
+        from .devices import canonical_device
         return (canonical_device(destinations, argname),)
     if isinstance(destinations, torch.device):
         return (destinations,)
@@ -139,8 +136,19 @@ def _copies(t: torch.Tensor, devices: Sequence[torch.device], fresh: bool = True
     return Mirrored(out)
 
 
-def _strategy() -> Any:
-    return context.get_strategy()
+class Reducer(Protocol):
+    """What cross-device ops need from a strategy: its ``extended`` satisfies this."""
+
+    @property
+    def num_replicas_in_sync(self) -> int: ...
+
+    def reduce_values(self, op: ReduceOp, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Reduces one tensor per local replica over every replica in sync, in replica order."""
+        ...
+
+
+def _reducer(reducer: Reducer | None) -> Reducer:
+    return reducer if reducer is not None else context.get_strategy().extended
 
 
 def _check_options(options: Any) -> "CommunicationOptions":
@@ -165,11 +173,13 @@ class CrossDeviceOps:
     """
 
     def reduce(self, reduce_op: ReduceOp | str, per_replica_value: Any, destinations: Any,
-               options: CommunicationOptions | None = None) -> Mirrored:
+               options: CommunicationOptions | None = None, *, reducer: Reducer | None = None) -> Mirrored:
         """Reduces ``per_replica_value`` and places the result on ``destinations``.
 
         A value that is not distributed is the same on every replica and
         reduces as tf.distribute's ``reduce_non_distributed_value`` says.
+        ``reducer`` is the strategy machinery that reduces across replicas
+        (None: ``cr.get_strategy().extended``).
 
         Raises:
             ValueError: a bad op, value, destinations or options.
@@ -177,19 +187,23 @@ class CrossDeviceOps:
         op = ReduceOp.from_any(reduce_op, "reduce_op")
         devices = get_devices_from(destinations)
         _check_options(options)
+        reducer = _reducer(reducer)
         if not isinstance(per_replica_value, DistributedValues):
             t = _as_tensor(per_replica_value, "per_replica_value")
-            n = _strategy().num_replicas_in_sync
+            n = reducer.num_replicas_in_sync
             return _copies(reduce_non_distributed_value(op, t, n), devices, fresh=False)
         values = _local_values(per_replica_value, "per_replica_value")
         for v in values:
             check_dtype(op, v.dtype, "per_replica_value")
         _check_same_shapes(values, "per_replica_value")
-        return self.reduce_implementation(op, values, devices, options)
+        return self.reduce_implementation(op, values, devices, options, reducer)
 
     def batch_reduce(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]],
-                     options: CommunicationOptions | None = None) -> list[Mirrored]:
+                     options: CommunicationOptions | None = None, *,
+                     reducer: Reducer | None = None) -> list[Mirrored]:
         """Reduces each ``(value, destinations)`` pair; returns one Mirrored per pair.
+
+        ``reducer`` as for :meth:`reduce`.
 
         Raises:
             ValueError: ``value_destination_pairs`` is not a sequence of
@@ -212,13 +226,14 @@ class CrossDeviceOps:
             pairs.append((value, devices))
         if not pairs:
             return []
+        reducer = _reducer(reducer)
         results: list[Any] = [None] * len(pairs)
         batch: list[tuple[int, list[torch.Tensor], tuple[torch.device, ...]]] = []
         n_local = None
         for i, (value, devices) in enumerate(pairs):
             if not isinstance(value, DistributedValues):
                 t = _as_tensor(value, f"value_destination_pairs[{i}][0]")
-                n = _strategy().num_replicas_in_sync
+                n = reducer.num_replicas_in_sync
                 results[i] = _copies(reduce_non_distributed_value(op, t, n), devices, fresh=False)
                 continue
             values = _local_values(value, f"value_destination_pairs[{i}][0]")
@@ -232,7 +247,7 @@ class CrossDeviceOps:
             n_local = len(values)
             batch.append((i, values, devices))
         if batch:
-            outs = self.batch_reduce_implementation(op, [(v, d) for _, v, d in batch], options)
+            outs = self.batch_reduce_implementation(op, [(v, d) for _, v, d in batch], options, reducer)
             for (i, _, _), out in zip(batch, outs):
                 results[i] = out
         return results
@@ -245,16 +260,18 @@ class CrossDeviceOps:
     # ---------------------------------------------------------------- to implement
 
     def reduce_implementation(self, reduce_op: ReduceOp, values: list[torch.Tensor],
-                              devices: tuple[torch.device, ...],
-                              options: CommunicationOptions | None) -> Mirrored:
-        """Reduces validated per-replica ``values`` onto ``devices``."""
+                              devices: tuple[torch.device, ...], options: CommunicationOptions | None,
+                              reducer: Reducer) -> Mirrored:
+        """Reduces validated per-replica ``values`` onto ``devices`` (across replicas through
+        ``reducer``)."""
         raise NotImplementedError(f"{type(self).__name__} must implement reduce_implementation")
 
     def batch_reduce_implementation(self, reduce_op: ReduceOp,
                                     pairs: list[tuple[list[torch.Tensor], tuple[torch.device, ...]]],
-                                    options: CommunicationOptions | None) -> list[Mirrored]:
+                                    options: CommunicationOptions | None,
+                                    reducer: Reducer) -> list[Mirrored]:
         """Reduces validated pairs; the default reduces them one by one."""
-        return [self.reduce_implementation(reduce_op, v, d, options) for v, d in pairs]
+        return [self.reduce_implementation(reduce_op, v, d, options, reducer) for v, d in pairs]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -267,10 +284,6 @@ def _check_same_shapes(values: list[torch.Tensor], argname: str) -> None:
             raise ValueError(
                 f"{argname} must hold tensors of one shape and dtype; value 0 is {list(s0)} {d0}, "
                 f"value {i} is {list(v.shape)} {v.dtype}")
-
-
-def _reduce(op: ReduceOp, values: list[torch.Tensor]) -> torch.Tensor:
-    return _strategy().extended.reduce_values(op, values)
 
 
 # --------------------------------------------------------------------------- implementations
@@ -287,7 +300,7 @@ class ReductionToOneDevice(CrossDeviceOps):
     def __init__(self, reduce_to_device: Any = None,
                  accumulation_fn: Callable[[list[torch.Tensor]], torch.Tensor] | None = None):
         if reduce_to_device is not None:
-            from .strategies.devices import canonical_device
+            from .devices import canonical_device
             reduce_to_device = canonical_device(reduce_to_device, "reduce_to_device")
         if accumulation_fn is not None and not callable(accumulation_fn):
             raise ValueError(f"accumulation_fn must be callable or None; got {accumulation_fn!r}")
@@ -295,13 +308,12 @@ class ReductionToOneDevice(CrossDeviceOps):
         self.accumulation_fn = accumulation_fn
 
     def reduce_implementation(self, reduce_op: ReduceOp, values: list[torch.Tensor],
-                              devices: tuple[torch.device, ...],
-                              options: CommunicationOptions | None) -> Mirrored:
+                              devices: tuple[torch.device, ...], options: CommunicationOptions | None,
+                              reducer: Reducer) -> Mirrored:
         target = self.reduce_to_device or devices[0]
         local = [v.to(target) for v in values]
-        strategy = _strategy()
         if self.accumulation_fn is not None and reduce_op in (ReduceOp.SUM, ReduceOp.MEAN) \
-                and strategy.num_replicas_in_sync == len(local):
+                and reducer.num_replicas_in_sync == len(local):
             out = self.accumulation_fn(local)
             if not isinstance(out, torch.Tensor):
                 raise ValueError(
@@ -309,7 +321,7 @@ class ReductionToOneDevice(CrossDeviceOps):
             if reduce_op is ReduceOp.MEAN:
                 out = out / len(local)
         else:
-            out = strategy.extended.reduce_values(reduce_op, local)
+            out = reducer.reduce_values(reduce_op, local)
         return _copies(out, devices)
 
     def __repr__(self) -> str:
@@ -326,13 +338,14 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
     """
 
     def reduce_implementation(self, reduce_op: ReduceOp, values: list[torch.Tensor],
-                              devices: tuple[torch.device, ...],
-                              options: CommunicationOptions | None) -> Mirrored:
-        return _copies(_reduce(reduce_op, values), devices)
+                              devices: tuple[torch.device, ...], options: CommunicationOptions | None,
+                              reducer: Reducer) -> Mirrored:
+        return _copies(reducer.reduce_values(reduce_op, values), devices)
 
     def batch_reduce_implementation(self, reduce_op: ReduceOp,
                                     pairs: list[tuple[list[torch.Tensor], tuple[torch.device, ...]]],
-                                    options: CommunicationOptions | None) -> list[Mirrored]:
+                                    options: CommunicationOptions | None,
+                                    reducer: Reducer) -> list[Mirrored]:
         limit = (options.bytes_per_pack if options is not None and options.bytes_per_pack
                  else DEFAULT_BYTES_PER_PACK)
         n_local = len(pairs[0][0])
@@ -346,10 +359,10 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
                 for r in range(n_local))
             if len(pack) == 1 or not same_devices:
                 for i in pack:
-                    reduced[i] = _reduce(reduce_op, pairs[i][0])
+                    reduced[i] = reducer.reduce_values(reduce_op, pairs[i][0])
                 continue
             flats = [flatten_pack([pairs[i][0][r] for i in pack]) for r in range(n_local)]
-            out = _reduce(reduce_op, flats)
+            out = reducer.reduce_values(reduce_op, flats)
             offset = 0
             for i in pack:
                 n = firsts[i].numel()

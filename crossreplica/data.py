@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 import torch
 
 from . import nest
+from .arguments import check_int
 from .values import DistributedValues, PerReplica, regroup
 
 if TYPE_CHECKING:
@@ -48,11 +49,9 @@ class InputContext:
 
     def __init__(self, num_input_pipelines: int = 1, input_pipeline_id: int = 0,
                  num_replicas_in_sync: int = 1):
-        for name, v, low in (("num_input_pipelines", num_input_pipelines, 1),
-                             ("input_pipeline_id", input_pipeline_id, 0),
-                             ("num_replicas_in_sync", num_replicas_in_sync, 1)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ValueError(f"{name} must be an int >= {low}; got {v!r}")
+        check_int(num_input_pipelines, "num_input_pipelines", low=1)
+        check_int(input_pipeline_id, "input_pipeline_id", low=0)
+        check_int(num_replicas_in_sync, "num_replicas_in_sync", low=1)
         if input_pipeline_id >= num_input_pipelines:
             raise ValueError(
                 f"input_pipeline_id must be in [0, num_input_pipelines={num_input_pipelines}); "
@@ -79,9 +78,7 @@ class InputContext:
         Raises:
             ValueError: ``global_batch_size`` is not divisible by ``num_replicas_in_sync``.
         """
-        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) \
-                or global_batch_size < 0:
-            raise ValueError(f"global_batch_size must be a non-negative int; got {global_batch_size!r}")
+        check_int(global_batch_size, "global_batch_size", low=0)
         if global_batch_size % self._num_replicas_in_sync:
             raise ValueError(
                 f"The `global_batch_size` {global_batch_size!r} is not divisible by "

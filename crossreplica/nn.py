@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn as tnn
 
+from .arguments import check_int
 from .collectives import all_reduce
 from .context import get_replica_context
 from .groups import Groups, contiguous_groups, group_of, resolve_groups
@@ -49,16 +50,13 @@ class SyncBatchNorm(tnn.modules.batchnorm._BatchNorm):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True, track_running_stats: bool = True, group_assignment: Any = None,
                  num_shards_per_group: int | None = None, device: Any = None, dtype: Any = None):
-        if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features <= 0:
-            raise ValueError(f"num_features must be a positive int (channels); got {num_features!r}")
+        check_int(num_features, "num_features", low=1, hint=" (channels)")
         if group_assignment is not None and num_shards_per_group is not None:
             raise ValueError(
                 f"pass either group_assignment or num_shards_per_group, not both; got "
                 f"group_assignment={group_assignment!r}, num_shards_per_group={num_shards_per_group!r}")
-        if num_shards_per_group is not None and (isinstance(num_shards_per_group, bool)
-                                                 or not isinstance(num_shards_per_group, int)
-                                                 or num_shards_per_group <= 0):
-            raise ValueError(f"num_shards_per_group must be a positive int or None; got {num_shards_per_group!r}")
+        if num_shards_per_group is not None:
+            check_int(num_shards_per_group, "num_shards_per_group", low=1, hint=" or None")
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.group_assignment = group_assignment
         self.num_shards_per_group = num_shards_per_group

@@ -13,6 +13,7 @@ from collections import abc
 from typing import Any, Sequence
 
 from . import nest
+from .arguments import check_int
 
 __all__ = [
     "DistributedValues",
@@ -127,8 +128,5 @@ def select_replica_mirrored(replica_id: int, structured: Any) -> Any:
 
 def _pick(x: DistributedValues, replica_id: int) -> Any:
     n = len(x.values)
-    if isinstance(replica_id, bool) or not isinstance(replica_id, int) or not 0 <= replica_id < n:
-        raise ValueError(
-            f"replica_id must be an int in [0, {n}) for {type(x).__name__} with {n} values; "
-            f"got {replica_id!r}")
-    return x.values[replica_id]
+    return x.values[check_int(replica_id, "replica_id", low=0, high=n,
+                              hint=f" for {type(x).__name__} with {n} values")]

@@ -125,10 +125,10 @@ def test_per_replica_batch_size_not_divisible():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"num_input_pipelines": 0}, "num_input_pipelines must be an int >= 1"),
-    ({"input_pipeline_id": -1}, "input_pipeline_id must be an int >= 0"),
+    ({"num_input_pipelines": 0}, "num_input_pipelines must be a positive int"),
+    ({"input_pipeline_id": -1}, "input_pipeline_id must be a non-negative int"),
     ({"num_input_pipelines": 2, "input_pipeline_id": 2}, r"input_pipeline_id must be in \[0, num_input_pipelines=2\)"),
-    ({"num_replicas_in_sync": 1.5}, "num_replicas_in_sync must be an int"),
+    ({"num_replicas_in_sync": 1.5}, "num_replicas_in_sync must be a positive int"),
 ])
 def test_input_context_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

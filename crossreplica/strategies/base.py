@@ -17,8 +17,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .. import context, nest
+from .. import collectives, context, data, nest
 from ..context import ReplicaContext
+from ..cross_device_ops import AllReduceCrossDeviceOps, CrossDeviceOps
 from ..engines.base import Call, Engine
 from ..engines.threads import check_agreement, reduce_into
 from ..errors import ReplicaContextError, replica_error
@@ -35,12 +36,11 @@ class StrategyExtended:
     """The strategy's machinery: devices, engine, replica threads, merge_call."""
 
     def __init__(self, container: "Strategy", devices: Sequence[torch.device], engine: Engine,
-                 cross_device_ops: Any = None):
+                 cross_device_ops: CrossDeviceOps | None = None):
         self._container_ref = weakref.ref(container)
         self.worker_devices = tuple(devices)
         self.engine = engine
         if cross_device_ops is not None:
-            from ..cross_device_ops import CrossDeviceOps
             if not isinstance(cross_device_ops, CrossDeviceOps):
                 raise ValueError(
                     f"cross_device_ops must be a cr.CrossDeviceOps (e.g. cr.ReductionToOneDevice() or "
@@ -48,6 +48,7 @@ class StrategyExtended:
         self.cross_device_ops = cross_device_ops
         n = len(self.worker_devices)
         self._running = False
+        self._run_token: object = None
         self._threads = ReplicaThreads(n, type(container).__name__) if n > 1 else None
         if self._threads is not None:
             # Not at interpreter exit: waking daemon threads while the interpreter
@@ -65,6 +66,12 @@ class StrategyExtended:
     @property
     def local_replica_ids(self) -> tuple[int, ...]:
         return self.engine.local_replica_ids
+
+    @property
+    def run_token(self) -> object:
+        """Identifies the run in progress: each ``run`` gets a new token, so a replica
+        abandoned by an earlier failed run can tell that it no longer takes part."""
+        return self._run_token
 
     @property
     def timeout(self) -> float:
@@ -149,6 +156,14 @@ class StrategyExtended:
                                               (merge_fn, args, kwargs), lead)
         return select_replica(rctx.local_index, result)
 
+    def replica_all_reduce(self, rctx: ReplicaContext, reduce_op: ReduceOp | str, value: Any) -> Any:
+        """``ReplicaContext.all_reduce``: every replica in sync, through the engine."""
+        return collectives.all_reduce(value, reduce_op)
+
+    def replica_all_gather(self, rctx: ReplicaContext, value: Any, axis: int) -> Any:
+        """``ReplicaContext.all_gather``: every replica in sync, in replica order."""
+        return collectives.all_gather(value, axis)
+
     # ------------------------------------------------------------ cross-replica hooks
 
     def reduce_values(self, op: ReduceOp, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -191,9 +206,8 @@ class StrategyExtended:
     # ------------------------------------------------------------ cross-device ops
 
     @property
-    def _cross_device_ops(self) -> Any:
+    def _cross_device_ops(self) -> CrossDeviceOps:
         if self.cross_device_ops is None:
-            from ..cross_device_ops import AllReduceCrossDeviceOps
             self.cross_device_ops = AllReduceCrossDeviceOps()
         return self.cross_device_ops
 
@@ -213,14 +227,15 @@ class StrategyExtended:
         """
         self._require_cross_replica("reduce_to")
         with self._container.scope():
-            return self._cross_device_ops.reduce(reduce_op, value, destinations, options)
+            return self._cross_device_ops.reduce(reduce_op, value, destinations, options, reducer=self)
 
     def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[Any],
                         options: Any = None) -> list[Any]:
         """Reduces each ``(value, destinations)`` pair; small tensors travel packed."""
         self._require_cross_replica("batch_reduce_to")
         with self._container.scope():
-            return self._cross_device_ops.batch_reduce(reduce_op, value_destination_pairs, options)
+            return self._cross_device_ops.batch_reduce(reduce_op, value_destination_pairs, options,
+                                                       reducer=self)
 
     def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
         """``tensor`` copied to every device of ``destinations`` (a Mirrored)."""
@@ -439,13 +454,11 @@ class Strategy:
         ``run``). An uneven batch is split as evenly as possible; see
         :mod:`crossreplica.data` for keeping the mean gradient exact.
         """
-        from .. import data
         return data.distribute_dataset(self, dataset)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Any]) -> Any:
         """Calls ``dataset_fn(cr.InputContext)`` for this process's input pipeline and
         splits each batch it yields among the local replicas."""
-        from .. import data
         return data.distribute_datasets_from_function(self, dataset_fn)
 
     def __repr__(self) -> str:

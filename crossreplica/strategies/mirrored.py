@@ -8,7 +8,7 @@ import torch
 
 from ..engines.threads import DEFAULT_TIMEOUT, ThreadsEngine
 from .base import Strategy, StrategyExtended
-from .devices import canonical_device
+from ..devices import canonical_device
 
 __all__ = ["MirroredStrategy"]
 

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from .. import nest
 from ..engines.hierarchical import HierarchicalEngine
 from ..engines.threads import DEFAULT_TIMEOUT
 from ..engines.base import Call
@@ -29,7 +30,7 @@ from ..engines.torch_dist import TorchDistEngine
 from ..groups import Groups
 from ..reduce_op import ReduceOp
 from .base import Strategy, StrategyExtended
-from .devices import canonical_device
+from ..devices import canonical_device
 
 __all__ = ["MultiWorkerMirroredStrategy", "MultiWorkerExtended"]
 
@@ -51,15 +52,14 @@ def _truthy(raw: str | None) -> bool:
 
 
 def _state_tensors(obj: Any) -> list[torch.Tensor]:
-    """The tensors of a module (parameters, then buffers), tensor or nest, in a fixed order."""
-    if isinstance(obj, torch.nn.Module):
-        return [p.data for p in obj.parameters()] + [b for b in obj.buffers()]
-    if isinstance(obj, torch.Tensor):
-        return [obj.data]
-    if isinstance(obj, (list, tuple, dict)):
-        items = obj.values() if isinstance(obj, dict) else obj
-        return [t for item in items for t in _state_tensors(item)]
-    return []
+    """The tensors of a nest of modules (parameters, then buffers) and tensors, in a fixed order."""
+    tensors: list[torch.Tensor] = []
+    for leaf in nest.flatten(obj)[0]:
+        if isinstance(leaf, torch.nn.Module):
+            tensors += [p.data for p in leaf.parameters()] + list(leaf.buffers())
+        elif isinstance(leaf, torch.Tensor):
+            tensors.append(leaf.data)
+    return tensors
 
 
 class MultiWorkerExtended(StrategyExtended):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from ..engines.threads import DEFAULT_TIMEOUT, ThreadsEngine
+from .. import context
 from .base import Strategy, StrategyExtended
-from .devices import canonical_device
+from ..devices import canonical_device
 
 __all__ = ["OneDeviceStrategy"]
 
@@ -17,3 +18,7 @@ class OneDeviceStrategy(Strategy):
     def __init__(self, device: str | torch.device = "cpu"):
         dev = canonical_device(device, "device")
         self.extended = StrategyExtended(self, [dev], ThreadsEngine([dev], DEFAULT_TIMEOUT))
+
+
+# Outside any scope, crossreplica behaves as one replica on the CPU (tf.distribute's default strategy).
+context.register_default_strategy(lambda: OneDeviceStrategy("cpu"))

@@ -1,0 +1,45 @@
+"""Checks for numeric arguments, shared by every public entry point.
+
+Layer: bottom (imports nothing of crossreplica). Each check validates once, at
+the boundary, and raises a ValueError that names the argument, shows the value
+and says what was expected, as the rest of the library's messages do.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+__all__ = ["check_int", "check_number"]
+
+
+def _int_rule(low: int | None, high: int | None) -> str:
+    if high is not None:
+        return f"an int in [{0 if low is None else low}, {high})"
+    if low == 1:
+        return "a positive int"
+    if low == 0:
+        return "a non-negative int"
+    return "an int" if low is None else f"an int >= {low}"
+
+
+def check_int(value: Any, name: str, *, low: int | None = None, high: int | None = None,
+              hint: str = "") -> int:
+    """``value`` if it is an int (not a bool) with ``low <= value < high``.
+
+    ``hint`` follows the rule in the message, e.g. ``" (0: automatic)"``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+            or (low is not None and value < low) or (high is not None and value >= high):
+        raise ValueError(f"{name} must be {_int_rule(low, high)}{hint}; got {value!r}")
+    return int(value)
+
+
+def check_number(value: Any, name: str, *, positive: bool = False, hint: str = "") -> float:
+    """``value`` as a float if it is a finite real number (not a bool), and > 0 with
+    ``positive`` (>= 0 otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+            or (value <= 0 if positive else value < 0):
+        rule = "a positive number (finite)" if positive else "a finite number >= 0"
+        raise ValueError(f"{name} must be {rule}{hint}; got {value!r}")
+    return float(value)
