@@ -4,8 +4,12 @@
 (a ``torch.utils.data.DataLoader``, a list, a generator function's result) and
 yields, per step, a nest of :class:`~crossreplica.values.PerReplica` values:
 every tensor leaf of the batch is split along dim 0 into one part per replica
-in sync, and each local replica gets its part on its own device. Non-tensor
-leaves (strings, numbers) reach every replica unchanged.
+in sync, and each local replica gets its part on its own device. A list or
+tuple of plain values (strings, numbers: no tensors, no nested containers)
+whose length equals the batch's rows is per-row data, such as labels or file
+names, and is split with the tensors, each part keeping its type; a numpy
+array whose first dimension equals the rows is split likewise. Any other
+non-tensor leaf reaches every replica unchanged.
 
 A batch that does not divide evenly is split as evenly as possible: the first
 ``rows % num_replicas`` replicas get one row more, and replicas may get zero
@@ -28,12 +32,12 @@ import torch
 
 from . import nest
 from .arguments import check_int
-from .values import DistributedValues, PerReplica, regroup
+from .values import DistributedValues, PerReplica
 
 if TYPE_CHECKING:
     from .strategies.base import Strategy
 
-__all__ = ["InputContext", "DistributedDataset", "split_sizes", "split_batch"]
+__all__ = ["InputContext", "DistributedDataset", "split_sizes", "split_batch", "distribute_batch"]
 
 
 class InputContext:
@@ -113,7 +117,62 @@ def split_batch(batch: Any, num_parts: int, keep: Iterable[int] | None = None,
     Raises:
         ValueError: no tensor leaf, a 0-d tensor, or leaves of different sizes.
     """
-    leaves, spec = nest.flatten(batch)
+    spec, cuts = _cut_leaves(batch, num_parts, keep, devices)
+    return [nest.unflatten(spec, [pieces[j] for pieces in cuts]) for j in range(len(cuts[0]))]
+
+
+def distribute_batch(batch: Any, num_parts: int, keep: Iterable[int] | None = None,
+                     devices: Any = None) -> Any:
+    """:func:`split_batch` as one nest whose split leaves are PerReplica values (one
+    piece per kept part); leaves that are not split stay plain. Per-row sequences of
+    uneven parts differ in length, so they are leaves here, never regrouped."""
+    spec, cuts = _cut_leaves(batch, num_parts, keep, devices)
+    if len(cuts[0]) == 1:
+        return nest.unflatten(spec, [pieces[0] for pieces in cuts])
+    return nest.unflatten(spec, [pieces[0] if pieces[0] is pieces[-1] else PerReplica(pieces)
+                                 for pieces in cuts])
+
+
+def _cut_leaves(batch: Any, num_parts: int, keep: Iterable[int] | None,
+                devices: Any) -> tuple[Any, list[list[Any]]]:
+    """The batch's spec, and for each of its leaves one piece per kept part (the leaf
+    itself, for a leaf that is not split). Per-row sequences are leaves here."""
+    rows = _rows(batch)
+    leaves, spec = nest.flatten(batch, is_leaf=lambda x: _is_row_sequence(x, rows))
+    sizes = split_sizes(rows, num_parts)
+    starts = [sum(sizes[:i]) for i in range(num_parts)]
+    parts = list(range(num_parts)) if keep is None else list(keep)
+    targets = [None] * len(parts) if devices is None else list(devices)
+
+    def cut(x: Any, part: int, device: Any) -> Any:
+        lo, n = starts[part], sizes[part]
+        if isinstance(x, torch.Tensor):
+            piece = x.narrow(0, lo, n)
+            return piece if device is None else piece.to(device, non_blocking=True)
+        if _is_row_sequence(x, rows):
+            return nest.rebuild(x, range(n), x[lo:lo + n])
+        if _is_row_array(x, rows):
+            return x[lo:lo + n]
+        return x
+
+    return spec, [[cut(x, part, device) for part, device in zip(parts, targets)] for x in leaves]
+
+
+def _is_row_sequence(x: Any, rows: int) -> bool:
+    """A list or tuple of ``rows`` plain values (per-row data that splits with the batch)."""
+    return (isinstance(x, (list, tuple)) and not nest.is_namedtuple(x) and len(x) == rows
+            and not any(isinstance(v, torch.Tensor) or nest.is_container(v) for v in x))
+
+
+def _is_row_array(x: Any, rows: int) -> bool:
+    """A numpy array with ``rows`` entries along its first dimension."""
+    shape = getattr(x, "shape", None)
+    return type(x).__module__ == "numpy" and bool(shape) and shape[0] == rows
+
+
+def _rows(batch: Any) -> int:
+    """The rows of a global batch: the common size of its tensors along dim 0."""
+    leaves, _ = nest.flatten(batch)
     rows = None
     for p, leaf in enumerate(leaves):
         if isinstance(leaf, DistributedValues):
@@ -135,20 +194,7 @@ def split_batch(batch: Any, num_parts: int, keep: Iterable[int] | None = None,
         raise ValueError(
             f"a global batch must hold at least one tensor to split along dim 0; got "
             f"{type(batch).__name__}: {batch!r}")
-    sizes = split_sizes(rows, num_parts)
-    starts = [sum(sizes[:i]) for i in range(num_parts)]
-    keep = list(range(num_parts)) if keep is None else list(keep)
-    out = []
-    for j, part in enumerate(keep):
-        device = None if devices is None else devices[j]
-
-        def cut(x: Any, part: int = part, device: Any = device) -> Any:
-            if not isinstance(x, torch.Tensor):
-                return x
-            piece = x.narrow(0, starts[part], sizes[part])
-            return piece if device is None else piece.to(device, non_blocking=True)
-        out.append(nest.unflatten(spec, [cut(x) for x in leaves]))
-    return out
+    return rows
 
 
 class DistributedDataset:
@@ -171,8 +217,7 @@ class DistributedDataset:
         else:
             parts, keep = ext.num_replicas_in_sync, list(ext.local_replica_ids)
         for batch in self._source:
-            split = split_batch(batch, parts, keep, devices)
-            yield regroup(split, PerReplica) if len(split) > 1 else split[0]
+            yield distribute_batch(batch, parts, keep, devices)
 
     def __len__(self) -> int:
         try:

@@ -2,11 +2,12 @@
 
 import collections
 
+import numpy as np
 import pytest
 import torch
 
 import crossreplica as cr
-from crossreplica.data import split_sizes
+from crossreplica.data import split_batch, split_sizes
 
 
 def strategy(n):
@@ -43,6 +44,44 @@ def test_nest_batches_keep_structure_and_non_tensor_leaves():
     assert s.experimental_local_results(shapes) == ((3, 3), (2, 3))
     assert [y.tolist() for y in s.experimental_local_results(ys)] == [[0, 1, 2], [3, 4]]
     assert names == "digits"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_per_row_sequences_split_with_the_tensors(n):
+    """Lists, tuples and numpy arrays as long as the batch are per-row data: they are cut
+    exactly where the tensors are; shorter or nested ones reach every replica whole."""
+    rows = 5
+    x = torch.arange(rows * 2).view(rows, 2)
+    labels = [f"img{i}.png" for i in range(rows)]
+    batch = {"x": x, "labels": labels, "ids": tuple(range(rows)), "np": np.arange(rows) * 10,
+             "classes": ["cat", "dog"], "pair": [x, x], "tag": "digits"}
+    s = strategy(n) if n > 1 else cr.OneDeviceStrategy()
+    (out,) = list(s.distribute_dataset([batch]))
+
+    def body(b):  # what each replica received, in a shape that regroups
+        return {"x": b["x"], "labels": "|".join(b["labels"]), "ids_type": type(b["ids"]).__name__,
+                "ids": torch.tensor(b["ids"]), "np": torch.from_numpy(b["np"]),
+                "classes": "|".join(b["classes"]), "pair": b["pair"], "tag": b["tag"]}
+
+    locals_ = s.experimental_local_results(s.run(body, args=(out,)))
+    starts = [0]
+    for size in split_sizes(rows, n):
+        starts.append(starts[-1] + size)
+    for i, got in enumerate(locals_):
+        lo, hi = starts[i], starts[i + 1]
+        assert torch.equal(got["x"], x[lo:hi])
+        assert got["labels"] == "|".join(labels[lo:hi])
+        assert got["ids_type"] == "tuple" and got["ids"].tolist() == list(range(lo, hi))
+        assert got["np"].tolist() == [10 * r for r in range(lo, hi)]
+        assert got["classes"] == "cat|dog"
+        assert torch.equal(got["pair"][0], x[lo:hi]) and torch.equal(got["pair"][1], x[lo:hi])
+        assert got["tag"] == "digits"
+
+
+def test_namedtuple_of_plain_values_is_not_per_row_data():
+    Meta = collections.namedtuple("Meta", "a b")
+    parts = split_batch((torch.zeros(2, 1), Meta("u", "v")), 2)
+    assert [p[1] for p in parts] == [Meta("u", "v"), Meta("u", "v")]
 
 
 def test_one_device_gets_the_whole_batch():
