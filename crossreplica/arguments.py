@@ -30,7 +30,7 @@ def check_int(value: Any, name: str, *, low: int | None = None, high: int | None
 
     ``hint`` follows the rule in the message, e.g. ``" (0: automatic)"``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
-            or (low is not None and value < low) or (high is not None and value >= high):
+            or (low is not None and int(value) < low) or (high is not None and int(value) >= high):
         raise ValueError(f"{name} must be {_int_rule(low, high)}{hint}; got {value!r}")
     return int(value)
 

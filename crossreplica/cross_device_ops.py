@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numbers
 from collections import abc
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence, cast
 
 import torch
 
@@ -83,10 +83,10 @@ def _device_of(x: Any) -> torch.device | None:
     if isinstance(x, torch.Tensor):
         return x.device
     if isinstance(x, torch.nn.Module):
-        for t in x.parameters():
-            return t.device
-        for t in x.buffers():
-            return t.device
+        for tensor in x.parameters():
+            return tensor.device
+        for buffer in x.buffers():
+            return buffer.device
         return torch.device("cpu")
     return None
 
@@ -368,4 +368,4 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
                 n = firsts[i].numel()
                 reduced[i] = out[offset:offset + n].view_as(firsts[i])
                 offset += n
-        return [_copies(t, devices) for t, (_, devices) in zip(reduced, pairs)]
+        return [_copies(cast(torch.Tensor, t), devices) for t, (_, devices) in zip(reduced, pairs)]

@@ -167,7 +167,7 @@ def _is_row_sequence(x: Any, rows: int) -> bool:
 def _is_row_array(x: Any, rows: int) -> bool:
     """A numpy array with ``rows`` entries along its first dimension."""
     shape = getattr(x, "shape", None)
-    return type(x).__module__ == "numpy" and bool(shape) and shape[0] == rows
+    return type(x).__module__ == "numpy" and shape is not None and len(shape) > 0 and shape[0] == rows
 
 
 def _rows(batch: Any) -> int:

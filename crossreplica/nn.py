@@ -20,7 +20,7 @@ spread (|mean| / std > ~100) that loses digits; normalise such inputs first.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn as tnn
@@ -31,6 +31,10 @@ from .context import get_replica_context
 from .groups import Groups, contiguous_groups, group_of, resolve_groups
 
 __all__ = ["SyncBatchNorm"]
+
+
+# What convert_sync_batchnorm carries over (absent ones are None: no affine, no running stats).
+_BATCH_NORM_STATE = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
 
 
 class SyncBatchNorm(tnn.modules.batchnorm._BatchNorm):
@@ -86,9 +90,10 @@ class SyncBatchNorm(tnn.modules.batchnorm._BatchNorm):
 
     def _momentum(self) -> float:
         """Counts the batch and returns the running-stats factor (as torch's BatchNorm)."""
-        self.num_batches_tracked.add_(1)
+        tracked = cast(torch.Tensor, self.num_batches_tracked)  # set whenever stats are tracked
+        tracked.add_(1)
         if self.momentum is None:
-            return 1.0 / float(self.num_batches_tracked)
+            return 1.0 / float(tracked)
         return self.momentum
 
     def _local(self, input: torch.Tensor) -> torch.Tensor:
@@ -109,7 +114,7 @@ class SyncBatchNorm(tnn.modules.batchnorm._BatchNorm):
                 f"{int(n)} (input shape on this replica {list(input.shape)})")
         mean = total[:c] / n
         var = (total[c:2 * c] / n - mean * mean).clamp_min(0)
-        if self.track_running_stats and self.running_mean is not None:
+        if self.track_running_stats and self.running_mean is not None and self.running_var is not None:
             factor = self._momentum()
             with torch.no_grad():
                 self.running_mean.mul_(1 - factor).add_(mean.detach(), alpha=factor)
@@ -131,13 +136,10 @@ class SyncBatchNorm(tnn.modules.batchnorm._BatchNorm):
             out = cls(module.num_features, module.eps, module.momentum, module.affine,
                       module.track_running_stats, group_assignment=group_assignment)
             with torch.no_grad():
-                if module.affine:
-                    out.weight.copy_(module.weight)
-                    out.bias.copy_(module.bias)
-                if module.track_running_stats:
-                    out.running_mean.copy_(module.running_mean)
-                    out.running_var.copy_(module.running_var)
-                    out.num_batches_tracked.copy_(module.num_batches_tracked)
+                for name in _BATCH_NORM_STATE:
+                    source, target = getattr(module, name, None), getattr(out, name, None)
+                    if source is not None and target is not None:
+                        target.copy_(source)
             out.train(module.training)
             out = out.to(next(iter(module.state_dict().values())).device) if module.state_dict() else out
         for name, child in module.named_children():
