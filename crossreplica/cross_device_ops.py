@@ -34,6 +34,7 @@ import torch
 
 from . import context
 from .arguments import check_int, check_number
+from .devices import canonical_device
 from .packing import flatten_pack, plan_packs
 from .reduce_op import ReduceOp, check_dtype, reduce_non_distributed_value
 from .values import DistributedValues, Mirrored
@@ -96,7 +97,6 @@ def get_devices_from(destinations: Any, argname: str = "destinations") -> tuple[
     if isinstance(destinations, str):
         if not destinations:
             raise ValueError(f"{argname} must not be empty; pass {_DEST_HELP}")
-        from .devices import canonical_device
         return (canonical_device(destinations, argname),)
     if isinstance(destinations, torch.device):
         return (destinations,)
@@ -300,8 +300,7 @@ class ReductionToOneDevice(CrossDeviceOps):
     def __init__(self, reduce_to_device: Any = None,
                  accumulation_fn: Callable[[list[torch.Tensor]], torch.Tensor] | None = None):
         if reduce_to_device is not None:
-            from .devices import canonical_device
-            reduce_to_device = canonical_device(reduce_to_device, "reduce_to_device")
+                reduce_to_device = canonical_device(reduce_to_device, "reduce_to_device")
         if accumulation_fn is not None and not callable(accumulation_fn):
             raise ValueError(f"accumulation_fn must be callable or None; got {accumulation_fn!r}")
         self.reduce_to_device = reduce_to_device
