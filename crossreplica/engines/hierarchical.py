@@ -21,12 +21,14 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import CollectiveMismatchError
-from .base import Call
+from .base import FINISHED, Call, Kind, check_agreement
 from .rendezvous import Rendezvous
-from .threads import check_agreement
-from .torch_dist import _FINISHED, TorchDistEngine
+from .torch_dist import TorchDistEngine
 
 __all__ = ["HierarchicalEngine"]
+
+# Calls whose groups are not narrowed to the local members before comparing.
+_UNGROUPED = (Kind.MERGE_CALL, Kind.BARRIER, Kind.FINISHED, Kind.PERMUTE)
 
 
 class HierarchicalEngine(TorchDistEngine):
@@ -59,12 +61,12 @@ class HierarchicalEngine(TorchDistEngine):
         mine = set(self.local_replica_ids)
 
         def local_view(c: Call) -> Call:
-            if c.kind in ("merge_call", "barrier", "finished", "permute"):
+            if c.kind in _UNGROUPED:
                 return c
             groups = tuple(g for g in (tuple(r for r in g if r in mine) for g in c.groups) if g)
             return c._replace(groups=groups)
 
-        if len({c.groups for c in calls}) > 1 or len({c.kind for c in calls}) > 1:
+        if len({c.groups for c in calls}) > 1 or any(c.kind is not calls[0].kind for c in calls):
             views = calls  # different kinds or groups: reported as they are
         else:
             views = [local_view(c) for c in calls]
@@ -84,7 +86,7 @@ class HierarchicalEngine(TorchDistEngine):
         i = self._index[replica_id]
         if self.check_collectives and self._broken is None:
             # one last checked round, so a worker that makes fewer calls is reported
-            self.rendezvous.exchange(i, _FINISHED, None, self._lead_finished)
+            self.rendezvous.exchange(i, FINISHED, None, self._lead_finished)
         self.rendezvous.finish(i)
 
     def _lead_finished(self, calls: list[Call], payloads: list) -> None:

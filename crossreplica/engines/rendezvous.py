@@ -1,4 +1,4 @@
-"""Where in-process replicas meet: one barrier with a leader and a sticky error.
+"""Engine layer: where in-process replicas meet; one barrier with a leader and a sticky error.
 
 Every collective, merge_call and phase barrier of the local replicas is one
 round of :meth:`Rendezvous.exchange`. Each participant deposits its call and
@@ -16,9 +16,11 @@ raises it at once. No round can hang.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAborted
+from .base import Kind
 
 __all__ = ["Rendezvous"]
 
@@ -145,7 +147,7 @@ class Rendezvous:
                  + (self._calls[j].describe() if hasattr(self._calls[j], "describe") else str(self._calls[j]))
                  for j in waiting]
         lines += [f"  replica {self.names[j]}: <returned from the replica function>" for j in done]
-        merge = any(getattr(self._calls[j], "kind", None) == "merge_call" for j in waiting)
+        merge = any(getattr(self._calls[j], "kind", None) is Kind.MERGE_CALL for j in waiting)
         head = ("replicas made a different number of merge_call() calls" if merge else
                 "replicas made different collective calls")
         message = (f"{head} (call #{self._round + 1} of this run): some replicas returned from the "
@@ -166,8 +168,3 @@ class Rendezvous:
         with self._lock:
             self._calls[i] = None
             self._set_error(_Failure(lambda: ReplicaAborted(message)))
-
-    @property
-    def failed(self) -> bool:
-        return self._error is not None
-

@@ -53,15 +53,14 @@ import torch.distributed as dist
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, CrossReplicaError, ReplicaAborted
 from ..groups import Groups
 from ..reduce_op import ReduceOp
-from .base import Call, Engine, check_inplace, is_inplace, scatter_slice
+from .base import FINISHED, Call, Engine, Kind, check_agreement, check_inplace, is_inplace, scatter_slice
 from .buffer_pool import BufferPool
-from .threads import check_agreement, reduce_into
+from .reduction import reduce_into
 
 __all__ = ["TorchDistEngine", "WorkerFailedError"]
 
 _ALIGN = 16  # byte alignment of packed segments, so every dtype view is aligned
 _SLICE = 0.25  # seconds between abort-key checks while a collective waits
-_FINISHED = Call("finished", (), ())
 
 
 class WorkerFailedError(CollectiveTimeoutError):
@@ -183,7 +182,7 @@ class TorchDistEngine(Engine):
 
     def finish(self, replica_id: int) -> None:
         if self.check_collectives and self._broken is None:
-            self.process([_FINISHED], [[]])
+            self.process([FINISHED], [[]])
 
     def abort(self, replica_id: int, exc: BaseException) -> None:
         """Tells every other worker (through the store) that this one failed."""
@@ -223,7 +222,7 @@ class TorchDistEngine(Engine):
         try:
             if self.check_collectives:
                 self._check_signatures(calls)
-            if call.kind == "finished":
+            if call.kind is Kind.FINISHED:
                 return [[]]
             self._inplace = inplace = is_inplace(call)
             if inplace:
@@ -234,7 +233,7 @@ class TorchDistEngine(Engine):
             # all_gather's sizes, a group-dependent broadcast source): look them up per group.
             self._params = {r: c.params for r, c in zip(self.local_replica_ids, calls)}
             kind = call.kind
-            if kind == "all_reduce":
+            if kind is Kind.ALL_REDUCE:
                 outs = self._all_reduce(call.groups, payloads)
                 if inplace:  # results that are not already the inputs are copied into them
                     for xs, os_ in zip(payloads, outs):
@@ -243,15 +242,15 @@ class TorchDistEngine(Engine):
                                 x.copy_(o)
                             os_[t] = x
                 return outs
-            if kind == "reduce_scatter":
+            if kind is Kind.REDUCE_SCATTER:
                 return self._reduce_scatter(call, payloads)
-            if kind == "all_gather":
+            if kind is Kind.ALL_GATHER:
                 return self._all_gather(call, payloads)
-            if kind == "broadcast":
+            if kind is Kind.BROADCAST:
                 return self._broadcast(call, payloads)
-            if kind == "all_to_all":
+            if kind is Kind.ALL_TO_ALL:
                 return self._all_to_all(call, payloads)
-            if kind == "permute":
+            if kind is Kind.PERMUTE:
                 return self._permute(call, payloads)
             raise ValueError(f"unknown collective kind {kind!r}")
         except (CollectiveMismatchError, CollectiveTimeoutError, ReplicaAborted) as e:
@@ -737,7 +736,7 @@ class TorchDistEngine(Engine):
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, list(calls))
         all_calls = [c for worker_calls in gathered for c in worker_calls]
-        finished = [c.kind == "finished" for c in all_calls]
+        finished = [c.kind is Kind.FINISHED for c in all_calls]
         if any(finished) and not all(finished):
             # the in-process engines' wording for a replica that returned while others wait
             lines = "\n".join(f"  replica {r}: {c.describe()}" for r, c in enumerate(all_calls))
@@ -886,7 +885,7 @@ def _is_peer_loss(e: BaseException) -> bool:
 
 def _normalised(call: Call) -> str:
     """``call.describe()`` with all-gather sizes along the gather dim masked (they may differ)."""
-    if call.kind != "all_gather":
+    if call.kind is not Kind.ALL_GATHER:
         return call.describe()
     shapes = tuple(tuple(-1 if i == d else s for i, s in enumerate(shape))
                    for d, shape in zip(call.params[0], call.shapes))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..engines.threads import DEFAULT_TIMEOUT, ThreadsEngine
+from ..engines.base import DEFAULT_TIMEOUT
+from ..engines.threads import ThreadsEngine
 from .base import Strategy, StrategyExtended
 from .devices import canonical_device
 
