@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import context
-from .packing import flatten_pack, plan_packs
+from .packing import DEFAULT_BYTES_PER_PACK, flatten_pack, plan_packs
 from .reduce_op import ReduceOp, check_dtype, reduce_non_distributed_value
 from .values import DistributedValues, Mirrored
 
@@ -39,9 +39,6 @@ __all__ = [
     "get_devices_from",
     "validate_destinations",
 ]
-
-#: Pack size AllReduceCrossDeviceOps.batch_reduce uses when options say 0.
-DEFAULT_BYTES_PER_PACK = 4 * 1024 * 1024
 
 
 class CommunicationOptions:

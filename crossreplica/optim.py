@@ -38,13 +38,11 @@ import torch
 from .context import get_strategy, has_strategy, require_replica_context
 from .engines.base import INPLACE, Call, Kind
 from .groups import Groups, group_of, resolve_groups
-from .packing import PackedBuffers
+from .packing import DEFAULT_BYTES_PER_PACK, PackedBuffers
 from .reduce_op import ReduceOp
 
 __all__ = ["CrossShardOptimizer", "DEFAULT_BYTES_PER_PACK"]
 
-#: Default upper bound on the bytes of one fused gradient pack.
-DEFAULT_BYTES_PER_PACK = 4 * 1024 * 1024
 #: Gradients at least this large are not copied into a pack: they travel as
 #: their own buffer in the same engine call (packing pays for small tensors).
 ALONE_BYTES = 256 * 1024
