@@ -9,4 +9,4 @@ from .hierarchical import HierarchicalEngine
 from .threads import ThreadsEngine
 from .torch_dist import TorchDistEngine
 
-__all__ = ["Call", "Engine", "ThreadsEngine", "TorchDistEngine", "HierarchicalEngine"]
+__all__ = ["Call", "Engine", "HierarchicalEngine", "ThreadsEngine", "TorchDistEngine"]

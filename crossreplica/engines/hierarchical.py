@@ -1,4 +1,4 @@
-"""The hierarchical engine: several replica threads per process, processes joined by torch.distributed.
+"""Engine layer: the hierarchical engine; several replica threads per process, processes joined by torch.distributed.
 
 A collective is two levels. First the worker's local replicas meet in-process
 on the same :class:`Rendezvous` the threads engine uses: the last to arrive is
@@ -16,7 +16,8 @@ the torch.distributed engine releases the other workers.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -40,7 +41,7 @@ class HierarchicalEngine(TorchDistEngine):
         super().__init__(devices, timeout, check_collectives, comm_device, ordered_reductions)
         # Local waiters wait for their slowest sibling and then for the leader's
         # cross-process wait, which is itself bounded by ``timeout``.
-        self.rendezvous = Rendezvous(self.replicas_per_worker, 2 * self._timeout + 5.0,
+        self.rendezvous = Rendezvous(self.replicas_per_worker, 2 * self.timeout + 5.0,
                                      self.local_replica_ids)
 
     def begin_run(self) -> None:
@@ -48,7 +49,7 @@ class HierarchicalEngine(TorchDistEngine):
         self.rendezvous.begin_run()
 
     def execute(self, replica_id: int, call: Call, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        i = self._index[replica_id]
+        i = self.local_index[replica_id]
         tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
         return self.rendezvous.exchange(i, call, tensors, self._lead)[i]
 
@@ -80,11 +81,11 @@ class HierarchicalEngine(TorchDistEngine):
 
     def exchange_objects(self, replica_id: int, call: Call, obj: Any, leader_fn: Any,
                          timeout: float | None = None) -> Any:
-        return self.rendezvous.exchange(self._index[replica_id], call, obj, leader_fn, timeout)
+        return self.rendezvous.exchange(self.local_index[replica_id], call, obj, leader_fn, timeout)
 
     def finish(self, replica_id: int) -> None:
-        i = self._index[replica_id]
-        if self.check_collectives and self._broken is None:
+        i = self.local_index[replica_id]
+        if self.check_collectives and self.broken is None:
             # one last checked round, so a worker that makes fewer calls is reported
             self.rendezvous.exchange(i, FINISHED, None, self._lead_finished)
         self.rendezvous.finish(i)
@@ -94,13 +95,13 @@ class HierarchicalEngine(TorchDistEngine):
         self.process(calls, [[] for _ in calls])
 
     def abort(self, replica_id: int, exc: BaseException) -> None:
-        self.rendezvous.abort(self._index[replica_id], exc)
-        if isinstance(exc, CollectiveMismatchError) and self._broken is None:
+        self.rendezvous.abort(self.local_index[replica_id], exc)
+        if isinstance(exc, CollectiveMismatchError) and self.broken is None:
             # Found among this worker's own replicas (the local check, or a replica that
             # returned while a sibling waits), before any cross-process call: the other
             # workers cannot know, so tell them as for a raising replica, or they would
             # wait out the whole timeout.
-            self._announce(f"worker rank {self.rank} (replicas {list(self.local_replica_ids)}): "
+            self.announce_failure(f"worker rank {self.rank} (replicas {list(self.local_replica_ids)}): "
                            f"its replicas disagree: {exc}")
             return
         super().abort(replica_id, exc)

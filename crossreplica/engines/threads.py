@@ -26,8 +26,17 @@ import torch
 
 from ..groups import Groups
 from ..reduce_op import ReduceOp
-from .base import (BARRIER, DEFAULT_TIMEOUT, Call, Engine, Kind, check_agreement, check_inplace, is_inplace,
-                   scatter_slice)
+from .base import (
+    BARRIER,
+    DEFAULT_TIMEOUT,
+    Call,
+    Engine,
+    Kind,
+    check_agreement,
+    check_inplace,
+    is_inplace,
+    scatter_slice,
+)
 from .buffer_pool import BufferPool
 from .reduction import reduce_into, reduced
 from .rendezvous import Rendezvous
@@ -50,7 +59,7 @@ _CORES = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
 class _Plan:
     """What the leader hands out: finished outputs, or work for every replica."""
 
-    __slots__ = ("outputs", "parallel", "calls", "payloads")
+    __slots__ = ("calls", "outputs", "parallel", "payloads")
 
     def __init__(self, outputs: list | None, parallel: bool = False, calls: list[Call] | None = None,
                  payloads: list | None = None):
