@@ -95,11 +95,11 @@ class PackedBuffers:
     def __init__(self, tensors: list[torch.Tensor], bytes_per_pack: int, alone_bytes: int | None = None):
         self.packs = plan_packs(tensors, bytes_per_pack, alone_bytes)
         self.buffers: list[torch.Tensor | None] = []
-        self.views: list[list[torch.Tensor] | None] = []
+        self.views: list[list[torch.Tensor]] = []  # per pack with a buffer; [] for the others
         for pack in self.packs:
             if len(pack) == 1:
                 self.buffers.append(None)
-                self.views.append(None)
+                self.views.append([])
                 continue
             first = tensors[pack[0]]
             total = sum(tensors[i].numel() for i in pack)

@@ -56,13 +56,16 @@ BLOCK_BYTES = 4 * 1024 * 1024
 _CORES = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 
 
+_NO_PAYLOADS: list[Any] = []  # a finished plan's: never read, never written
+
+
 class _Plan:
     """What the leader hands out: finished outputs, or work for every replica."""
 
     __slots__ = ("calls", "outputs", "parallel", "payloads")
 
-    def __init__(self, outputs: list | None, parallel: bool = False, calls: list[Call] | None = None,
-                 payloads: list | None = None):
+    def __init__(self, outputs: list[Any], parallel: bool = False, calls: Sequence[Call] = (),
+                 payloads: list[Any] = _NO_PAYLOADS):
         self.outputs = outputs
         self.parallel = parallel
         self.calls = calls  # parameters agree within a group only: each member uses its own
@@ -166,10 +169,10 @@ class ThreadsEngine(Engine):
         call = calls[0]
         inplace = is_inplace(call)
         if parallel:
-            outputs = payloads if inplace else [
+            shares = payloads if inplace else [
                 [self._pool.empty(shape, dtype, x.device) for shape, dtype, x in zip(call.shapes, call.dtypes, xs)]
                 for xs in payloads]
-            return _Plan(outputs, True, calls, payloads)
+            return _Plan(shares, True, calls, payloads)
         if inplace:
             for members in self._sorted_members(call.groups):
                 if len(members) > 1:

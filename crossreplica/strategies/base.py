@@ -21,7 +21,7 @@ from .. import context, nest
 from ..context import ReplicaContext
 from ..engines.base import MERGE_CALL, Engine, check_agreement
 from ..engines.reduction import reduce_into
-from ..errors import ReplicaContextError, replica_error
+from ..errors import ReplicaContextError
 from ..reduce_op import ReduceOp, check_dtype, reduce_non_distributed_value
 from ..values import DistributedValues, Mirrored, regroup, select_replica, select_replica_mirrored
 from .replica_threads import ReplicaThreads, raise_first_failure

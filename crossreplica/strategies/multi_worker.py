@@ -22,8 +22,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ..engines.hierarchical import HierarchicalEngine
 from ..engines.base import DEFAULT_TIMEOUT, Call, Kind
+from ..engines.hierarchical import HierarchicalEngine
 from ..engines.torch_dist import TorchDistEngine
 from ..groups import Groups
 from ..reduce_op import ReduceOp

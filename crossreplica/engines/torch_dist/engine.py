@@ -72,7 +72,6 @@ class TorchDistEngine(Engine):
         # The one-local-replica all-reduce works in place on its own copy of the
         # input: reused buffers spare the page faults of a fresh one each call.
         self.pool = BufferPool(max_buffers=8)
-        self._run = 0
         self._broken: BaseException | None = None
 
     @property
@@ -85,9 +84,6 @@ class TorchDistEngine(Engine):
         return self._broken
 
     # ------------------------------------------------------------ Engine API
-
-    def begin_run(self) -> None:
-        self._run += 1
 
     def execute(self, replica_id: int, call: Call, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return self.process([call], [tensors])[0]
