@@ -139,11 +139,12 @@ BARRIER = Call(Kind.BARRIER, (), ())
 FINISHED = Call(Kind.FINISHED, (), ())
 
 
-def check_agreement(calls: Sequence[Call], names: Sequence[int]) -> None:
+def check_agreement(calls: Sequence[Call], names: Sequence[int], shown: Sequence[Call] | None = None) -> None:
     """Raises CollectiveMismatchError unless the calls agree (kind and groups
     everywhere; parameters, shapes and dtypes within each group).
 
-    ``names`` are the replica ids of ``calls``, in the same order."""
+    ``names`` are the replica ids of ``calls``, in the same order; the message lists
+    ``shown`` (the replicas' calls as they made them, when ``calls`` are views of them)."""
     first_call = calls[0]
     ok = all(c.kind is first_call.kind and c.groups == first_call.groups for c in calls)
     if ok and first_call.kind not in _MEETINGS:
@@ -159,7 +160,7 @@ def check_agreement(calls: Sequence[Call], names: Sequence[int]) -> None:
             if not ok:
                 break
     if not ok:
-        lines = "\n".join(f"  replica {r}: {c.describe()}" for r, c in zip(names, calls))
+        lines = "\n".join(f"  replica {r}: {c.describe()}" for r, c in zip(names, shown or calls))
         raise CollectiveMismatchError(
             f"replicas made different collective calls (they must call the same collectives, in the "
             f"same order, with the same op, group, shapes and dtypes):\n{lines}")

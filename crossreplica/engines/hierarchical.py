@@ -61,23 +61,18 @@ class HierarchicalEngine(TorchDistEngine):
         """The threads engine's agreement check, on the local members of each group."""
         mine = set(self.local_replica_ids)
 
-        def local_view(c: Call) -> Call:
-            if c.kind in _UNGROUPED:
-                return c
-            groups = tuple(g for g in (tuple(r for r in g if r in mine) for g in c.groups) if g)
-            return c._replace(groups=groups)
+        def local_view(call: Call) -> Call:
+            if call.kind in _UNGROUPED:
+                return call
+            groups = tuple(group for group in (tuple(rid for rid in group if rid in mine)
+                                               for group in call.groups) if group)
+            return call._replace(groups=groups)
 
-        if len({c.groups for c in calls}) > 1 or any(c.kind is not calls[0].kind for c in calls):
+        if len({call.groups for call in calls}) > 1 or any(call.kind is not calls[0].kind for call in calls):
             views = calls  # different kinds or groups: reported as they are
         else:
             views = [local_view(c) for c in calls]
-        try:
-            check_agreement(views, self.local_replica_ids)
-        except CollectiveMismatchError:
-            lines = "\n".join(f"  replica {r}: {c.describe()}" for r, c in zip(self.local_replica_ids, calls))
-            raise CollectiveMismatchError(
-                f"replicas made different collective calls (they must call the same collectives, in "
-                f"the same order, with the same op, group, shapes and dtypes):\n{lines}") from None
+        check_agreement(views, self.local_replica_ids, shown=calls)
 
     def exchange_objects(self, replica_id: int, call: Call, obj: Any, leader_fn: Any,
                          timeout: float | None = None) -> Any:

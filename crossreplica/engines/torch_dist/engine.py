@@ -127,10 +127,11 @@ class TorchDistEngine(Engine):
             if inplace:
                 check_inplace(payloads)
             else:
-                payloads = [[t if t.is_contiguous() else t.contiguous() for t in p] for p in payloads]
+                payloads = [[tensor if tensor.is_contiguous() else tensor.contiguous() for tensor in row]
+                            for row in payloads]
             # Parameters agree within a group but may differ between groups (an uneven
             # all_gather's sizes, a group-dependent broadcast source): looked up per group.
-            step = Step(call, {rid: c.params for rid, c in zip(self.local_replica_ids, calls)}, payloads,
+            step = Step(call, {rid: own.params for rid, own in zip(self.local_replica_ids, calls)}, payloads,
                         inplace)
             if kind is Kind.ALL_REDUCE:
                 return all_reduce(self, step)
