@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 
 from . import nest
 from .context import ReplicaContext, get_replica_context, require_replica_context
-from .engines.base import Call
+from .engines.base import Call, Kind
 from .groups import Groups, Mesh, contiguous_groups, group_of, resolve_groups
 from .reduce_op import ReduceOp, check_dtype
 
@@ -72,7 +72,7 @@ def _repack(leaves: list, spec: Any, where: list[int], outs: Sequence[torch.Tens
     return nest.unflatten(spec, leaves)
 
 
-def _raw(rctx: ReplicaContext, kind: str, groups: Groups, params: tuple,
+def _raw(rctx: ReplicaContext, kind: Kind, groups: Groups, params: tuple,
          tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     # The context of the executing thread, not ``rctx``: a backward pass may run
     # in a later run with the forward's context (fine), while a replica thread
@@ -85,7 +85,7 @@ def _raw(rctx: ReplicaContext, kind: str, groups: Groups, params: tuple,
     return rctx.engine.execute(rctx.replica_id_in_sync_group, call, tensors)
 
 
-def _execute(rctx: ReplicaContext, kind: str, groups: Groups, params: tuple,
+def _execute(rctx: ReplicaContext, kind: Kind, groups: Groups, params: tuple,
              tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     if torch.is_grad_enabled() and _any_requires_grad(tensors):
         return list(_Collective.apply(rctx, kind, groups, params, *tensors))
@@ -106,7 +106,7 @@ class _Collective(torch.autograd.Function):
     def forward(ctx, rctx, kind, groups, params, *xs):  # type: ignore[override]
         outs = _raw(rctx, kind, groups, params, list(xs))
         ctx.rctx, ctx.kind, ctx.groups, ctx.params = rctx, kind, groups, params
-        if kind == "all_reduce" and params[0] in (ReduceOp.MAX, ReduceOp.MIN):
+        if kind is Kind.ALL_REDUCE and params[0] in (ReduceOp.MAX, ReduceOp.MIN):
             ctx.save_for_backward(*xs, *outs)
         for o, x in zip(outs, xs):
             if not (o.dtype.is_floating_point or o.dtype.is_complex):
@@ -123,7 +123,7 @@ def _dual(ctx: Any, grads: list[torch.Tensor]) -> list[torch.Tensor | None]:
     """Input gradients of a collective: the dual collective on the output gradients."""
     rctx, kind, groups, params = ctx.rctx, ctx.kind, ctx.groups, ctx.params
     rid = rctx.replica_id_in_sync_group
-    if kind == "all_reduce":
+    if kind is Kind.ALL_REDUCE:
         op = params[0]
         if op in (ReduceOp.SUM, ReduceOp.MEAN):
             return _raw(rctx, kind, groups, (op,), grads)
@@ -137,34 +137,34 @@ def _dual(ctx: Any, grads: list[torch.Tensor]) -> list[torch.Tensor | None]:
         raise RuntimeError(
             f"the gradient of all_reduce with op={op} is not implemented; use op='sum', 'mean', "
             f"'max' or 'min' for differentiable reductions")
-    if kind == "all_gather":
+    if kind is Kind.ALL_GATHER:
         dims, sizes = params[0], ctx.sizes
         user = grads[:-1]  # the last leaf carried the sizes
-        out = _raw(rctx, "reduce_scatter", groups, (ReduceOp.SUM, dims[:-1], sizes), user)
+        out = _raw(rctx, Kind.REDUCE_SCATTER, groups, (ReduceOp.SUM, dims[:-1], sizes), user)
         return [*out, None]
-    if kind == "reduce_scatter":
+    if kind is Kind.REDUCE_SCATTER:
         op, dims, _ = params
         if op not in (ReduceOp.SUM, ReduceOp.MEAN):
             raise RuntimeError(
                 f"the gradient of reduce_scatter with op={op} is not implemented; use op='sum' or 'mean'")
-        out = _raw(rctx, "all_gather", groups, (dims,), grads)
+        out = _raw(rctx, Kind.ALL_GATHER, groups, (dims,), grads)
         if op is ReduceOp.MEAN:
             k = len(group_of(groups, rid))
             out = [o / k for o in out]
         return out
-    if kind == "all_to_all":
+    if kind is Kind.ALL_TO_ALL:
         split_dims, concat_dims = params
-        return _raw(rctx, "all_to_all", groups, (concat_dims, split_dims), grads)
-    if kind == "broadcast":
+        return _raw(rctx, Kind.ALL_TO_ALL, groups, (concat_dims, split_dims), grads)
+    if kind is Kind.BROADCAST:
         group = group_of(groups, rid)
-        total = _raw(rctx, "all_reduce", groups, (ReduceOp.SUM,), grads)
+        total = _raw(rctx, Kind.ALL_REDUCE, groups, (ReduceOp.SUM,), grads)
         if group.index(rid) == params[0]:
             return total
         return [torch.zeros_like(t) for t in total]
-    if kind == "permute":
+    if kind is Kind.PERMUTE:
         inverse = tuple(sorted((t, s) for s, t in params[0]))
-        return _raw(rctx, "permute", groups, (inverse,), grads)
-    raise RuntimeError(f"no gradient for collective {kind!r}")
+        return _raw(rctx, Kind.PERMUTE, groups, (inverse,), grads)
+    raise RuntimeError(f"no gradient for collective '{kind}'")
 
 
 def _groups(rctx: ReplicaContext, group_assignment: Any, mesh: Mesh | None = None,
@@ -200,7 +200,7 @@ def all_reduce(x: Any, op: ReduceOp | str = "sum", group_assignment: Any = None,
     leaves, spec, where, tensors = _tensor_leaves(x, "cr.all_reduce")
     for t in tensors:
         check_dtype(op, t.dtype)
-    return _repack(leaves, spec, where, _execute(rctx, "all_reduce", groups, (op,), tensors))
+    return _repack(leaves, spec, where, _execute(rctx, Kind.ALL_REDUCE, groups, (op,), tensors))
 
 
 def cross_replica_sum(x: Any, group_assignment: Any = None) -> Any:
@@ -244,8 +244,8 @@ def all_gather(x: Any, dim: int = 0, group_assignment: Any = None) -> Any:
 def _execute_gather(rctx: ReplicaContext, groups: Groups, dims: tuple,
                     tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     if torch.is_grad_enabled() and _any_requires_grad(tensors):
-        return list(_Gather.apply(rctx, "all_gather", groups, (dims,), *tensors))
-    return _raw(rctx, "all_gather", groups, (dims,), tensors)
+        return list(_Gather.apply(rctx, Kind.ALL_GATHER, groups, (dims,), *tensors))
+    return _raw(rctx, Kind.ALL_GATHER, groups, (dims,), tensors)
 
 
 class _Gather(_Collective):
@@ -279,7 +279,7 @@ def reduce_scatter(x: Any, op: ReduceOp | str = "sum", dim: int = 0, group_assig
                 f"cr.reduce_scatter: x.shape[{d}]={t.shape[d]} (shape {list(t.shape)}) must be divisible "
                 f"by the group size {k}")
         dims.append(d)
-    outs = _execute(rctx, "reduce_scatter", groups, (op, tuple(dims), None), tensors)
+    outs = _execute(rctx, Kind.REDUCE_SCATTER, groups, (op, tuple(dims), None), tensors)
     return _repack(leaves, spec, where, outs)
 
 
@@ -302,7 +302,7 @@ def all_to_all(x: Any, split_dim: int, concat_dim: int, group_assignment: Any = 
                 f"by the group size {k}")
         sds.append(sd)
         cds.append(cd)
-    outs = _execute(rctx, "all_to_all", groups, (tuple(sds), tuple(cds)), tensors)
+    outs = _execute(rctx, Kind.ALL_TO_ALL, groups, (tuple(sds), tuple(cds)), tensors)
     return _repack(leaves, spec, where, outs)
 
 
@@ -320,7 +320,7 @@ def broadcast(x: Any, source: int = 0, group_assignment: Any = None) -> Any:
         raise ValueError(
             f"cr.broadcast: source must be a position in the group, an int in [0, {k}); got {source!r}")
     leaves, spec, where, tensors = _tensor_leaves(x, "cr.broadcast")
-    return _repack(leaves, spec, where, _execute(rctx, "broadcast", groups, (src,), tensors))
+    return _repack(leaves, spec, where, _execute(rctx, Kind.BROADCAST, groups, (src,), tensors))
 
 
 def collective_permute(x: Any, source_target_pairs: Sequence[Sequence[int]]) -> Any:
@@ -331,7 +331,7 @@ def collective_permute(x: Any, source_target_pairs: Sequence[Sequence[int]]) -> 
     pairs = _canonical_pairs(source_target_pairs, n)
     leaves, spec, where, tensors = _tensor_leaves(x, "cr.collective_permute")
     all_ids = (tuple(range(n)),)
-    return _repack(leaves, spec, where, _execute(rctx, "permute", all_ids, (pairs,), tensors))
+    return _repack(leaves, spec, where, _execute(rctx, Kind.PERMUTE, all_ids, (pairs,), tensors))
 
 
 def _replica_index(v: Any) -> int:

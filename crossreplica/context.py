@@ -176,7 +176,7 @@ class ReplicaContext:
         self._engine = engine
         self._run = run  # the run this context belongs to (its host's run_token then)
 
-    def check_current(self, prefix: str, name: str = "") -> None:
+    def check_current(self, prefix: str, name: object = "") -> None:
         """Raises if this replica's run was abandoned (a later run is under way).
 
         A replica left behind by a failed run must not join the collectives of

@@ -35,7 +35,7 @@ import torch
 from . import context
 from .arguments import check_int, check_number
 from .devices import canonical_device
-from .packing import flatten_pack, plan_packs
+from .packing import DEFAULT_BYTES_PER_PACK, flatten_pack, plan_packs
 from .reduce_op import ReduceOp, check_dtype, reduce_non_distributed_value
 from .values import DistributedValues, Mirrored
 
@@ -47,9 +47,6 @@ __all__ = [
     "Reducer",
     "get_devices_from",
 ]
-
-#: Pack size AllReduceCrossDeviceOps.batch_reduce uses when options say 0.
-DEFAULT_BYTES_PER_PACK = 4 * 1024 * 1024
 
 
 class CommunicationOptions:

@@ -36,15 +36,13 @@ from typing import Any, Callable
 import torch
 
 from .context import get_strategy, has_strategy, require_replica_context
-from .engines.base import INPLACE, Call
+from .engines.base import INPLACE, Call, Kind
 from .groups import Groups, group_of, resolve_groups
-from .packing import PackedBuffers
+from .packing import DEFAULT_BYTES_PER_PACK, PackedBuffers
 from .reduce_op import ReduceOp
 
 __all__ = ["CrossShardOptimizer", "DEFAULT_BYTES_PER_PACK"]
 
-#: Default upper bound on the bytes of one fused gradient pack.
-DEFAULT_BYTES_PER_PACK = 4 * 1024 * 1024
 #: Gradients at least this large are not copied into a pack: they travel as
 #: their own buffer in the same engine call (packing pays for small tensors).
 ALONE_BYTES = 256 * 1024
@@ -319,7 +317,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
             # is the same sum-then-divide, so bitwise the result of cr.all_reduce(g, "mean").
             op = ReduceOp.MEAN if self._reduction is ReduceOp.MEAN and not weighted else ReduceOp.SUM
             # In place: the packs and large gradients are this replica's own buffers.
-            outs = rctx.engine.execute(rid, Call.of("all_reduce", groups, (op, INPLACE), buffers), buffers)
+            outs = rctx.engine.execute(rid, Call.of(Kind.ALL_REDUCE, groups, (op, INPLACE), buffers), buffers)
             if weighted:
                 total_weight = float(outs[-1].item())
                 outs = outs[:-1]

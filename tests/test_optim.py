@@ -8,6 +8,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import crossreplica as cr
+from crossreplica.engines.base import Kind
 from crossreplica.optim import CrossShardOptimizer
 
 
@@ -117,7 +118,7 @@ def test_all_packs_travel_in_one_engine_call(monkeypatch):
     opts = s.run(lambda m: CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), bytes_per_pack=64),
                  args=(model,))
     s.run(train_step, args=(model, opts, split(x, 2), split(y, 2)))
-    reduce_calls = [c for c in calls if c[0] == "all_reduce"]
+    reduce_calls = [c for c in calls if c[0] is Kind.ALL_REDUCE]
     assert len(reduce_calls) == 1
     assert reduce_calls[0][1] > 1  # several packs (64-byte packs), plus the weight
 
@@ -134,7 +135,7 @@ def test_synchronize_then_step_reduces_once(monkeypatch):
     real = engine.execute
 
     def counting(replica_id, call, tensors, *a, **k):
-        if replica_id == 0 and call.kind == "all_reduce":
+        if replica_id == 0 and call.kind is Kind.ALL_REDUCE:
             count["n"] += 1
         return real(replica_id, call, tensors, *a, **k)
 

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import crossreplica as cr
+from crossreplica.engines.base import Kind
 
 
 def strategy(n):
@@ -132,7 +133,7 @@ def test_one_all_reduce_per_forward(monkeypatch):
 
     monkeypatch.setattr(s.extended.engine, "execute", counting)
     s.run(lambda m, x: m(x), args=(layers, cr.PerReplica([torch.randn(2, 3), torch.randn(2, 3)])))
-    assert kinds == ["all_reduce"]
+    assert kinds == [Kind.ALL_REDUCE]
 
 
 def test_convert_sync_batchnorm():

@@ -1,4 +1,4 @@
-"""The engine contract every transport satisfies.
+"""Engine layer: the contract every transport satisfies.
 
 A collective reaches the engine as ``execute(replica_id, call, tensors)``:
 ``call`` describes the operation (kind, groups, parameters, and the shape and
@@ -11,33 +11,71 @@ shape) and guarantees:
 2. no call waits forever: a missing replica is a CollectiveTimeoutError, a
    failed one releases the others at once (``abort``);
 3. replicas that disagree on a call get a CollectiveMismatchError listing each
-   replica's call instead of a hang or garbage.
+   replica's call instead of a hang or garbage (:func:`check_agreement`, the
+   one comparison every engine uses).
+
+The arithmetic every engine shares (the reduction order) is in
+``reduction.py`` beside this module.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Any, NamedTuple, Sequence
+import enum
+import os
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
+from ..errors import CollectiveMismatchError
 from ..groups import Groups
 
-__all__ = ["Call", "Engine", "KINDS", "INPLACE", "is_inplace", "check_inplace", "scatter_slice"]
+__all__ = ["BARRIER", "DEFAULT_TIMEOUT", "FINISHED", "INPLACE", "MERGE_CALL", "Call", "Engine", "Kind",
+           "check_agreement", "check_inplace", "is_inplace", "scatter_slice"]
+
+#: Seconds a collective waits for the other replicas unless the strategy says otherwise.
+DEFAULT_TIMEOUT = float(os.environ.get("CROSSREPLICA_TIMEOUT", "300"))
 
 INPLACE = "inplace"
 
-# all_reduce params: (op,) or (op, INPLACE); reduce_scatter: (op, dims, sizes);
-# all_gather: (dims,); all_to_all: (split_dims, concat_dims); broadcast: (source,);
-# permute: (pairs,). An in-place all-reduce writes the results into the input
-# tensors (which must be contiguous) and returns them: for callers that own
-# their buffers, such as the optimizer's gradient packs.
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "permute",
-         "merge_call", "barrier")
+
+class Kind(enum.Enum):
+    """What a :class:`Call` asks the engine to do; ``str(kind)`` is the name messages show.
+
+    Parameters per kind: ALL_REDUCE ``(op,)`` or ``(op, INPLACE)`` (an in-place
+    all-reduce writes the results into the input tensors, which must be
+    contiguous, and returns them: for callers that own their buffers, such as the
+    optimizer's gradient packs); REDUCE_SCATTER ``(op, dims, sizes)``; ALL_GATHER
+    ``(dims,)``; ALL_TO_ALL ``(split_dims, concat_dims)``; BROADCAST ``(source,)``;
+    PERMUTE ``(pairs,)``. MERGE_CALL, BARRIER and FINISHED (a replica returned from
+    its function) carry no tensors and are compared by kind only.
+    """
+
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    BROADCAST = "broadcast"
+    PERMUTE = "permute"
+    MERGE_CALL = "merge_call"
+    BARRIER = "barrier"
+    FINISHED = "finished"
+
+    def __str__(self) -> str:
+        return self.value
 
 
-def is_inplace(call: "Call") -> bool:
-    return call.kind == "all_reduce" and len(call.params) > 1 and call.params[1] == INPLACE
+# Kinds that move no tensors: replicas agree on them by kind alone.
+_MEETINGS = (Kind.MERGE_CALL, Kind.BARRIER)
+# Parameter names per kind, for Call.describe.
+_PARAM_NAMES: dict[Kind, tuple[str, ...]] = {
+    Kind.ALL_REDUCE: ("op",), Kind.REDUCE_SCATTER: ("op", "dim"), Kind.ALL_GATHER: ("dim",),
+    Kind.ALL_TO_ALL: ("split_dim", "concat_dim"), Kind.BROADCAST: ("source",), Kind.PERMUTE: ("pairs",)}
+
+
+def is_inplace(call: Call) -> bool:
+    return call.kind is Kind.ALL_REDUCE and len(call.params) > 1 and call.params[1] == INPLACE
 
 
 def check_inplace(payloads: Sequence[Sequence[torch.Tensor]]) -> None:
@@ -54,22 +92,22 @@ def scatter_slice(extent: int, pos: int, k: int, sizes: Sequence[int] | None) ->
     """``(start, length)`` along the scattered dim for the member at ``pos`` of ``k``:
     equal chunks, or the per-member ``sizes`` an uneven all_gather's backward passes."""
     if sizes is None:
-        c = extent // k
-        return pos * c, c
+        chunk = extent // k
+        return pos * chunk, chunk
     return sum(sizes[:pos]), sizes[pos]
 
 
 class Call(NamedTuple):
     """One replica's description of a collective, compared across replicas."""
 
-    kind: str
+    kind: Kind
     groups: Groups
     params: tuple
     shapes: tuple[tuple[int, ...], ...] = ()
     dtypes: tuple[torch.dtype, ...] = ()
 
     @staticmethod
-    def of(kind: str, groups: Groups, params: tuple, tensors: Sequence[torch.Tensor]) -> "Call":
+    def of(kind: Kind, groups: Groups, params: tuple, tensors: Sequence[torch.Tensor]) -> Call:
         if len(tensors) == 1:
             t = tensors[0]
             return Call(kind, groups, params, (tuple(t.shape),), (t.dtype,))
@@ -77,23 +115,69 @@ class Call(NamedTuple):
                     tuple([t.dtype for t in tensors]))
 
     def describe(self) -> str:
-        if self.kind == "merge_call":
+        if self.kind is Kind.MERGE_CALL:
             return "merge_call()"
-        if self.kind == "finished":
+        if self.kind is Kind.FINISHED:
             return "<returned from the replica function>"
-        names = {"all_reduce": ("op",), "reduce_scatter": ("op", "dim"), "all_gather": ("dim",),
-                 "all_to_all": ("split_dim", "concat_dim"), "broadcast": ("source",),
-                 "permute": ("pairs",)}.get(self.kind, ())
+        names = _PARAM_NAMES.get(self.kind, ())
         parts = [f"{n}={_fmt(v)}" for n, v in zip(names, self.params)]
-        if self.kind != "permute":
+        if self.kind is not Kind.PERMUTE:
             parts.append(f"groups={[list(g) for g in self.groups]}")
         parts.append(f"shapes={[list(s) for s in self.shapes]}")
         parts.append(f"dtypes={[str(d).replace('torch.', '') for d in self.dtypes]}")
-        return f"{self.kind}({', '.join(parts)})"
+        return f"{self.kind.value}({', '.join(parts)})"
 
 
 def _fmt(v: Any) -> str:
     return str(v) if not isinstance(v, tuple) else str([list(p) if isinstance(p, tuple) else p for p in v])
+
+
+#: The calls of the meetings that carry no tensors.
+MERGE_CALL = Call(Kind.MERGE_CALL, (), ())
+BARRIER = Call(Kind.BARRIER, (), ())
+#: What a replica that returned from its function "calls" where others may still wait.
+FINISHED = Call(Kind.FINISHED, (), ())
+
+
+def check_agreement(calls: Sequence[Call], names: Sequence[int], shown: Sequence[Call] | None = None) -> None:
+    """Raises CollectiveMismatchError unless the calls agree (kind and groups
+    everywhere; parameters, shapes and dtypes within each group).
+
+    ``names`` are the replica ids of ``calls``, in the same order; the message lists
+    ``shown`` (the replicas' calls as they made them, when ``calls`` are views of them)."""
+    first_call = calls[0]
+    ok = all(c.kind is first_call.kind and c.groups == first_call.groups for c in calls)
+    if ok and first_call.kind not in _MEETINGS:
+        pos = {r: i for i, r in enumerate(names)}
+        groups = first_call.groups if first_call.kind is not Kind.PERMUTE else (tuple(names),)
+        for g in groups:
+            first = calls[pos[g[0]]]
+            for r in g[1:]:
+                c = calls[pos[r]]
+                if c.params != first.params or c.dtypes != first.dtypes or not _shapes_agree(first, c):
+                    ok = False
+                    break
+            if not ok:
+                break
+    if not ok:
+        lines = "\n".join(f"  replica {r}: {c.describe()}" for r, c in zip(names, shown or calls))
+        raise CollectiveMismatchError(
+            f"replicas made different collective calls (they must call the same collectives, in the "
+            f"same order, with the same op, group, shapes and dtypes):\n{lines}")
+
+
+def _shapes_agree(a: Call, b: Call) -> bool:
+    """Shapes agree exactly, except along an all_gather's gather dims (uneven parts)."""
+    if a.kind is not Kind.ALL_GATHER:
+        return a.shapes == b.shapes
+    if len(a.shapes) != len(b.shapes):
+        return False
+    for d, sa, sb in zip(a.params[0], a.shapes, b.shapes):
+        if len(sa) != len(sb):
+            return False
+        if sa[:d] + sa[d + 1:] != sb[:d] + sb[d + 1:]:
+            return False
+    return True
 
 
 class Engine(abc.ABC):

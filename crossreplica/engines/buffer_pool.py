@@ -1,4 +1,4 @@
-"""Reuse of large CPU output buffers between collectives.
+"""Engine layer: reuse of large CPU output buffers between collectives.
 
 Fresh large allocations come straight from the OS and every page is faulted
 in on first write, which on virtual machines costs more than the all-reduce's

@@ -1,4 +1,4 @@
-"""The hierarchical engine: several replica threads per process, processes joined by torch.distributed.
+"""Engine layer: the hierarchical engine; several replica threads per process, processes joined by torch.distributed.
 
 A collective is two levels. First the worker's local replicas meet in-process
 on the same :class:`Rendezvous` the threads engine uses: the last to arrive is
@@ -16,17 +16,20 @@ the torch.distributed engine releases the other workers.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from ..errors import CollectiveMismatchError
-from .base import Call
+from .base import FINISHED, Call, Kind, check_agreement
 from .rendezvous import Rendezvous
-from .threads import check_agreement
-from .torch_dist import _FINISHED, TorchDistEngine
+from .torch_dist import TorchDistEngine
 
 __all__ = ["HierarchicalEngine"]
+
+# Calls whose groups are not narrowed to the local members before comparing.
+_UNGROUPED = (Kind.MERGE_CALL, Kind.BARRIER, Kind.FINISHED, Kind.PERMUTE)
 
 
 class HierarchicalEngine(TorchDistEngine):
@@ -38,7 +41,7 @@ class HierarchicalEngine(TorchDistEngine):
         super().__init__(devices, timeout, check_collectives, comm_device, ordered_reductions)
         # Local waiters wait for their slowest sibling and then for the leader's
         # cross-process wait, which is itself bounded by ``timeout``.
-        self.rendezvous = Rendezvous(self.replicas_per_worker, 2 * self._timeout + 5.0,
+        self.rendezvous = Rendezvous(self.replicas_per_worker, 2 * self.timeout + 5.0,
                                      self.local_replica_ids)
 
     def begin_run(self) -> None:
@@ -46,7 +49,7 @@ class HierarchicalEngine(TorchDistEngine):
         self.rendezvous.begin_run()
 
     def execute(self, replica_id: int, call: Call, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        i = self._index[replica_id]
+        i = self.local_index[replica_id]
         tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
         return self.rendezvous.exchange(i, call, tensors, self._lead)[i]
 
@@ -58,33 +61,28 @@ class HierarchicalEngine(TorchDistEngine):
         """The threads engine's agreement check, on the local members of each group."""
         mine = set(self.local_replica_ids)
 
-        def local_view(c: Call) -> Call:
-            if c.kind in ("merge_call", "barrier", "finished", "permute"):
-                return c
-            groups = tuple(g for g in (tuple(r for r in g if r in mine) for g in c.groups) if g)
-            return c._replace(groups=groups)
+        def local_view(call: Call) -> Call:
+            if call.kind in _UNGROUPED:
+                return call
+            groups = tuple(group for group in (tuple(rid for rid in group if rid in mine)
+                                               for group in call.groups) if group)
+            return call._replace(groups=groups)
 
-        if len({c.groups for c in calls}) > 1 or len({c.kind for c in calls}) > 1:
+        if len({call.groups for call in calls}) > 1 or any(call.kind is not calls[0].kind for call in calls):
             views = calls  # different kinds or groups: reported as they are
         else:
             views = [local_view(c) for c in calls]
-        try:
-            check_agreement(views, self.local_replica_ids)
-        except CollectiveMismatchError:
-            lines = "\n".join(f"  replica {r}: {c.describe()}" for r, c in zip(self.local_replica_ids, calls))
-            raise CollectiveMismatchError(
-                f"replicas made different collective calls (they must call the same collectives, in "
-                f"the same order, with the same op, group, shapes and dtypes):\n{lines}") from None
+        check_agreement(views, self.local_replica_ids, shown=calls)
 
     def exchange_objects(self, replica_id: int, call: Call, obj: Any, leader_fn: Any,
                          timeout: float | None = None) -> Any:
-        return self.rendezvous.exchange(self._index[replica_id], call, obj, leader_fn, timeout)
+        return self.rendezvous.exchange(self.local_index[replica_id], call, obj, leader_fn, timeout)
 
     def finish(self, replica_id: int) -> None:
-        i = self._index[replica_id]
-        if self.check_collectives and self._broken is None:
+        i = self.local_index[replica_id]
+        if self.check_collectives and self.broken is None:
             # one last checked round, so a worker that makes fewer calls is reported
-            self.rendezvous.exchange(i, _FINISHED, None, self._lead_finished)
+            self.rendezvous.exchange(i, FINISHED, None, self._lead_finished)
         self.rendezvous.finish(i)
 
     def _lead_finished(self, calls: list[Call], payloads: list) -> None:
@@ -92,13 +90,13 @@ class HierarchicalEngine(TorchDistEngine):
         self.process(calls, [[] for _ in calls])
 
     def abort(self, replica_id: int, exc: BaseException) -> None:
-        self.rendezvous.abort(self._index[replica_id], exc)
-        if isinstance(exc, CollectiveMismatchError) and self._broken is None:
+        self.rendezvous.abort(self.local_index[replica_id], exc)
+        if isinstance(exc, CollectiveMismatchError) and self.broken is None:
             # Found among this worker's own replicas (the local check, or a replica that
             # returned while a sibling waits), before any cross-process call: the other
             # workers cannot know, so tell them as for a raising replica, or they would
             # wait out the whole timeout.
-            self._announce(f"worker rank {self.rank} (replicas {list(self.local_replica_ids)}): "
+            self.announce_failure(f"worker rank {self.rank} (replicas {list(self.local_replica_ids)}): "
                            f"its replicas disagree: {exc}")
             return
         super().abort(replica_id, exc)

@@ -1,4 +1,4 @@
-"""Where in-process replicas meet: one barrier with a leader and a sticky error.
+"""Engine layer: where in-process replicas meet; one barrier with a leader and a sticky error.
 
 Every collective, merge_call and phase barrier of the local replicas is one
 round of :meth:`Rendezvous.exchange`. Each participant deposits its call and
@@ -16,9 +16,11 @@ raises it at once. No round can hang.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAborted
+from .base import Kind
 
 __all__ = ["Rendezvous"]
 
@@ -34,6 +36,11 @@ class _Failure:
 
     def __init__(self, make: Callable[[], BaseException]):
         self.make = make
+
+    @staticmethod
+    def of(exc: BaseException) -> _Failure:
+        """A failure that raises ``exc`` itself."""
+        return _Failure(lambda: exc)
 
 
 class Rendezvous:
@@ -74,8 +81,7 @@ class Rendezvous:
             done = [j for j in range(self.n) if self._finished[j]]
             if done:
                 self._calls[i] = call
-                self._fail_finished(done)
-                raise self._error.make()
+                raise self._fail_finished(done).make()
             self._calls[i] = call
             self._payloads[i] = payload
             self._arrived += 1
@@ -94,7 +100,7 @@ class Rendezvous:
                     self._error = _Failure(lambda: CollectiveMismatchError(message))
                 result = _Failure(lambda: CollectiveMismatchError(message))
             except BaseException as e:  # noqa: BLE001 - handed to every participant
-                result = _Failure(lambda e=e: e)
+                result = _Failure.of(e)
             for j in range(self.n):
                 if j != i:
                     self._outcome[j] = result
@@ -115,10 +121,10 @@ class Rendezvous:
                                f"{missing} never arrived (replicas "
                                f"{[self.names[j] for j in range(self.n) if self._calls[j] is not None]} "
                                f"were waiting)")
-                    self._set_error(_Failure(
+                    failure = self._set_error(_Failure(
                         lambda: CollectiveTimeoutError(message, tuple(missing))), skip=i)
                     self._calls[i] = None
-                    raise self._error.make()
+                    raise failure.make()
             self._wake[i].acquire()  # the round completed as we timed out: the wake-up is due
         outcome = self._outcome[i]
         self._outcome[i] = None
@@ -128,8 +134,9 @@ class Rendezvous:
 
     # ---------------------------------------------------------------- failures
 
-    def _set_error(self, failure: _Failure, skip: int = -1) -> None:
-        """Makes ``failure`` sticky and wakes every waiting participant (lock held)."""
+    def _set_error(self, failure: _Failure, skip: int = -1) -> _Failure:
+        """Makes ``failure`` sticky (unless an earlier one is) and wakes every waiting
+        participant (lock held); returns the sticky failure."""
         if self._error is None:
             self._error = failure
         for j in range(self.n):
@@ -138,19 +145,20 @@ class Rendezvous:
                 self._outcome[j] = self._error
                 self._wake[j].release()
         self._arrived = 0
+        return self._error
 
-    def _fail_finished(self, done: list[int]) -> None:
+    def _fail_finished(self, done: list[int]) -> _Failure:
         waiting = [j for j in range(self.n) if self._calls[j] is not None]
         lines = [f"  replica {self.names[j]}: "
                  + (self._calls[j].describe() if hasattr(self._calls[j], "describe") else str(self._calls[j]))
                  for j in waiting]
         lines += [f"  replica {self.names[j]}: <returned from the replica function>" for j in done]
-        merge = any(getattr(self._calls[j], "kind", None) == "merge_call" for j in waiting)
+        merge = any(getattr(self._calls[j], "kind", None) is Kind.MERGE_CALL for j in waiting)
         head = ("replicas made a different number of merge_call() calls" if merge else
                 "replicas made different collective calls")
         message = (f"{head} (call #{self._round + 1} of this run): some replicas returned from the "
                    f"replica function while others wait:\n" + "\n".join(lines))
-        self._set_error(_Failure(lambda: CollectiveMismatchError(message)))
+        return self._set_error(_Failure(lambda: CollectiveMismatchError(message)))
 
     def finish(self, i: int) -> None:
         """Participant ``i`` returned from its replica function."""
@@ -166,8 +174,3 @@ class Rendezvous:
         with self._lock:
             self._calls[i] = None
             self._set_error(_Failure(lambda: ReplicaAborted(message)))
-
-    @property
-    def failed(self) -> bool:
-        return self._error is not None
-

@@ -1,4 +1,4 @@
-"""The in-process engine: replicas are threads, tensors move by memory copies.
+"""Engine layer: the in-process engine; replicas are threads, tensors move by memory copies.
 
 Each collective is one :class:`Rendezvous` round. The leader checks that every
 replica made the same call, then either computes every output itself (small
@@ -19,132 +19,57 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from ..errors import CollectiveMismatchError
 from ..groups import Groups
 from ..reduce_op import ReduceOp
-from .base import Call, Engine, check_inplace, is_inplace, scatter_slice
+from .base import (
+    BARRIER,
+    DEFAULT_TIMEOUT,
+    Call,
+    Engine,
+    Kind,
+    check_agreement,
+    check_inplace,
+    is_inplace,
+    scatter_slice,
+)
 from .buffer_pool import BufferPool
+from .reduction import reduce_into, reduced
 from .rendezvous import Rendezvous
 
-__all__ = ["ThreadsEngine", "DEFAULT_TIMEOUT"]
-
-DEFAULT_TIMEOUT = float(os.environ.get("CROSSREPLICA_TIMEOUT", "300"))
+__all__ = ["ThreadsEngine"]
 
 # Payloads at least this large (bytes per replica) are processed by every
 # replica in parallel; smaller ones by the leader alone. 2 MiB is where the
 # parallel path starts to win on 2 cores (benchmarks/allreduce.py); the test
 # suite lowers it so that small tensors exercise both paths.
-PARALLEL_BYTES = int(os.environ.get("CROSSREPLICA_PARALLEL_BYTES", 2 * 1024 * 1024))
+PARALLEL_BYTES = int(os.environ.get("CROSSREPLICA_PARALLEL_BYTES", str(2 * 1024 * 1024)))
 # Bytes per block of the parallel all-reduce: each block's running result is
 # re-read from cache by the next operand. Measured on the 2-core VM, blocks
 # down to 256 KiB bought nothing over 4 MiB ones and cost more kernel launches.
 BLOCK_BYTES = 4 * 1024 * 1024
 
-_PHASE = Call("barrier", (), ())
 _CORES = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 
 
-def reduce_into(op: ReduceOp, out: torch.Tensor, xs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``out = xs[0] (op) xs[1] (op) ...`` left to right; MEAN also divides by len(xs)."""
-    if len(xs) == 1:
-        out.copy_(xs[0])
-    else:
-        _binary(op, xs[0], xs[1], out)
-        for x in xs[2:]:
-            _binary(op, out, x, out)
-    if op is ReduceOp.MEAN:
-        out.div_(len(xs))
-    return out
-
-
-def reduced(op: ReduceOp, xs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A new tensor holding the left-to-right reduction of ``xs`` (as :func:`reduce_into`)."""
-    if len(xs) == 1:
-        out = xs[0].clone(memory_format=torch.contiguous_format)
-    else:
-        out = _FIRST[op if xs[0].dtype != torch.bool else _BOOL_OP[op]](xs[0], xs[1])
-        for x in xs[2:]:
-            _binary(op, out, x, out)
-    if op is ReduceOp.MEAN:
-        out.div_(len(xs))
-    return out
-
-
-def _binary(op: ReduceOp, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    if out.dtype == torch.bool:
-        if op is ReduceOp.SUM or op is ReduceOp.MAX:
-            torch.logical_or(a, b, out=out)
-        else:  # PROD, MIN
-            torch.logical_and(a, b, out=out)
-    elif op is ReduceOp.SUM or op is ReduceOp.MEAN:
-        torch.add(a, b, out=out)
-    elif op is ReduceOp.MAX:
-        torch.maximum(a, b, out=out)
-    elif op is ReduceOp.MIN:
-        torch.minimum(a, b, out=out)
-    else:
-        torch.mul(a, b, out=out)
-
-
-_FIRST = {ReduceOp.SUM: torch.add, ReduceOp.MEAN: torch.add, ReduceOp.MAX: torch.maximum,
-          ReduceOp.MIN: torch.minimum, ReduceOp.PROD: torch.mul,
-          "or": torch.logical_or, "and": torch.logical_and}
-_BOOL_OP = {ReduceOp.SUM: "or", ReduceOp.MAX: "or", ReduceOp.MEAN: "or", ReduceOp.MIN: "and",
-            ReduceOp.PROD: "and"}
+_NO_PAYLOADS: list[Any] = []  # a finished plan's: never read, never written
 
 
 class _Plan:
     """What the leader hands out: finished outputs, or work for every replica."""
 
-    __slots__ = ("outputs", "parallel", "calls", "payloads")
+    __slots__ = ("calls", "outputs", "parallel", "payloads")
 
-    def __init__(self, outputs: list | None, parallel: bool = False, calls: list[Call] | None = None,
-                 payloads: list | None = None):
+    def __init__(self, outputs: list[Any], parallel: bool = False, calls: Sequence[Call] = (),
+                 payloads: list[Any] = _NO_PAYLOADS):
         self.outputs = outputs
         self.parallel = parallel
         self.calls = calls  # parameters agree within a group only: each member uses its own
         self.payloads = payloads
-
-
-def check_agreement(calls: Sequence[Call], names: Sequence[int], round_no: int | None = None) -> None:
-    """Raises CollectiveMismatchError unless the calls agree (kind and groups
-    everywhere; parameters, shapes and dtypes within each group)."""
-    c0 = calls[0]
-    ok = all(c.kind == c0.kind and c.groups == c0.groups for c in calls)
-    if ok and c0.kind not in ("merge_call", "barrier"):
-        pos = {r: i for i, r in enumerate(names)}
-        groups = c0.groups if c0.kind != "permute" else (tuple(names),)
-        for g in groups:
-            first = calls[pos[g[0]]]
-            for r in g[1:]:
-                c = calls[pos[r]]
-                if c.params != first.params or c.dtypes != first.dtypes or not _shapes_agree(first, c):
-                    ok = False
-                    break
-            if not ok:
-                break
-    if not ok:
-        lines = "\n".join(f"  replica {r}: {c.describe()}" for r, c in zip(names, calls))
-        raise CollectiveMismatchError(
-            f"replicas made different collective calls (they must call the same collectives, in the "
-            f"same order, with the same op, group, shapes and dtypes):\n{lines}")
-
-
-def _shapes_agree(a: Call, b: Call) -> bool:
-    if a.kind != "all_gather":
-        return a.shapes == b.shapes
-    if len(a.shapes) != len(b.shapes):
-        return False
-    for d, sa, sb in zip(a.params[0], a.shapes, b.shapes):
-        if len(sa) != len(sb):
-            return False
-        if sa[:d] + sa[d + 1:] != sb[:d] + sb[d + 1:]:
-            return False
-    return True
 
 
 class ThreadsEngine(Engine):
@@ -192,7 +117,7 @@ class ThreadsEngine(Engine):
         except BaseException as e:
             self.rendezvous.abort(i, e)
             raise
-        self.rendezvous.exchange(i, _PHASE, None, None, timeout)
+        self.rendezvous.exchange(i, BARRIER, None, None, timeout)
         return out if out is not None else plan.outputs[i]
 
     def exchange_objects(self, replica_id: int, call: Call, obj: Any, leader_fn: Any,
@@ -206,7 +131,7 @@ class ThreadsEngine(Engine):
             check_agreement(calls, self.local_replica_ids)
         nbytes = sum(math.prod(s) * d.itemsize for s, d in zip(call.shapes, call.dtypes))
         parallel = (self.num_replicas > 1 and nbytes >= PARALLEL_BYTES
-                    and all(len(g) > 1 for g in call.groups) and call.kind != "permute")
+                    and all(len(g) > 1 for g in call.groups) and call.kind is not Kind.PERMUTE)
         if is_inplace(call):
             check_inplace(payloads)
         elif parallel:
@@ -216,7 +141,7 @@ class ThreadsEngine(Engine):
                         xs[t] = x.contiguous()
         # Calls agree within a group only (ops, dims and gather sizes may differ
         # between groups): every replica's outputs follow its own call.
-        if call.kind == "all_reduce":
+        if call.kind is Kind.ALL_REDUCE:
             return self._lead_all_reduce(calls, payloads, parallel)
         if parallel:
             return _Plan([None] * self.num_replicas, True, calls, payloads)
@@ -225,7 +150,7 @@ class ThreadsEngine(Engine):
 
     def _part(self, plan: _Plan, i: int) -> list[torch.Tensor] | None:
         call = plan.calls[i]
-        if call.kind == "all_reduce":
+        if call.kind is Kind.ALL_REDUCE:
             self._all_reduce_share(call, plan, i)
             return None
         return self._own(call, plan.payloads, i)
@@ -244,10 +169,10 @@ class ThreadsEngine(Engine):
         call = calls[0]
         inplace = is_inplace(call)
         if parallel:
-            outputs = payloads if inplace else [
+            shares = payloads if inplace else [
                 [self._pool.empty(shape, dtype, x.device) for shape, dtype, x in zip(call.shapes, call.dtypes, xs)]
                 for xs in payloads]
-            return _Plan(outputs, True, calls, payloads)
+            return _Plan(shares, True, calls, payloads)
         if inplace:
             for members in self._sorted_members(call.groups):
                 if len(members) > 1:
@@ -324,7 +249,7 @@ class ThreadsEngine(Engine):
         kind, idx = call.kind, self._index
         rid = self.local_replica_ids[i]
         mine = payloads[i]
-        if kind == "permute":
+        if kind is Kind.PERMUTE:
             pairs = call.params[0]
             for s, t in pairs:
                 if t == rid:
@@ -337,20 +262,20 @@ class ThreadsEngine(Engine):
         sorted_members = [idx[r] for r in sorted(group)]  # reduction order
         out = []
         for t, x in enumerate(mine):
-            if kind == "all_gather":
+            if kind is Kind.ALL_GATHER:
                 d = call.params[0][t]
                 out.append(torch.cat([payloads[m][t].to(x.device) for m in members], d))
-            elif kind == "reduce_scatter":
+            elif kind is Kind.REDUCE_SCATTER:
                 op, dims, sizes = call.params
                 d = dims[t]
                 start, length = scatter_slice(x.shape[d], pos, k, None if sizes is None else sizes[t])
                 xs = [payloads[m][t].narrow(d, start, length).to(x.device) for m in sorted_members]
                 out.append(reduce_into(op, torch.empty_like(xs[0], memory_format=torch.contiguous_format), xs))
-            elif kind == "all_to_all":
+            elif kind is Kind.ALL_TO_ALL:
                 sd, cd = call.params[0][t], call.params[1][t]
                 c = x.shape[sd] // k
                 out.append(torch.cat([payloads[m][t].narrow(sd, pos * c, c).to(x.device) for m in members], cd))
-            elif kind == "broadcast":
+            elif kind is Kind.BROADCAST:
                 src = members[call.params[0]]
                 out.append(payloads[src][t].to(x.device, copy=True))
             else:

@@ -20,17 +20,14 @@ import torch
 from .. import collectives, context, data, nest
 from ..context import ReplicaContext
 from ..cross_device_ops import AllReduceCrossDeviceOps, CrossDeviceOps
-from ..engines.base import Call, Engine
-from ..engines.threads import check_agreement, reduce_into
-from ..errors import ReplicaContextError, replica_error
+from ..engines.base import MERGE_CALL, Engine, check_agreement
+from ..engines.reduction import reduce_into
+from ..errors import ReplicaContextError
 from ..reduce_op import ReduceOp, check_dtype, reduce_non_distributed_value
 from ..values import DistributedValues, Mirrored, regroup, select_replica, select_replica_mirrored
 from .replica_threads import ReplicaThreads, raise_first_failure
 
 __all__ = ["Strategy", "StrategyExtended"]
-
-_MERGE = Call("merge_call", (), ())
-
 
 class StrategyExtended:
     """The strategy's machinery: devices, engine, replica threads, merge_call."""
@@ -152,7 +149,7 @@ class StrategyExtended:
             with context.frame(strategy, None):
                 return payloads[0][0](strategy, *merge_args, **merge_kwargs)
 
-        result = self.engine.exchange_objects(rctx.replica_id_in_sync_group, _MERGE,
+        result = self.engine.exchange_objects(rctx.replica_id_in_sync_group, MERGE_CALL,
                                               (merge_fn, args, kwargs), lead)
         return select_replica(rctx.local_index, result)
 

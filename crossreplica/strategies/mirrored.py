@@ -6,7 +6,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..engines.threads import DEFAULT_TIMEOUT, ThreadsEngine
+from ..engines.base import DEFAULT_TIMEOUT
+from ..engines.threads import ThreadsEngine
 from .base import Strategy, StrategyExtended
 from ..devices import canonical_device
 

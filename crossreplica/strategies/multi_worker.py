@@ -23,9 +23,8 @@ import torch
 import torch.distributed as dist
 
 from .. import nest
+from ..engines.base import DEFAULT_TIMEOUT, Call, Kind
 from ..engines.hierarchical import HierarchicalEngine
-from ..engines.threads import DEFAULT_TIMEOUT
-from ..engines.base import Call
 from ..engines.torch_dist import TorchDistEngine
 from ..groups import Groups
 from ..reduce_op import ReduceOp
@@ -92,7 +91,7 @@ class MultiWorkerExtended(StrategyExtended):
         if self.engine.world_size == 1:
             return super().reduce_values(op, tensors)
         xs = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t) for t in tensors]
-        calls = [Call.of("all_reduce", self._world(), (op,), [x]) for x in xs]
+        calls = [Call.of(Kind.ALL_REDUCE, self._world(), (op,), [x]) for x in xs]
         return self.engine.process(calls, [[x] for x in xs])[0][0]
 
     def gather_values(self, tensors: Sequence[torch.Tensor], axis: int) -> torch.Tensor:
@@ -101,7 +100,7 @@ class MultiWorkerExtended(StrategyExtended):
             return super().gather_values(tensors, axis)
         xs = [t.unsqueeze(0) if t.dim() == 0 else t for t in tensors]
         axis = axis % xs[0].dim()
-        calls = [Call.of("all_gather", self._world(), ((axis,),), [x]) for x in xs]
+        calls = [Call.of(Kind.ALL_GATHER, self._world(), ((axis,),), [x]) for x in xs]
         return self.engine.process(calls, [[x] for x in xs])[0][0]
 
     def broadcast_values(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -109,7 +108,7 @@ class MultiWorkerExtended(StrategyExtended):
         if self.engine.world_size == 1:
             return super().broadcast_values(tensors)
         xs = list(tensors)
-        calls = [Call.of("broadcast", self._world(), (0,), [x]) for x in xs]
+        calls = [Call.of(Kind.BROADCAST, self._world(), (0,), [x]) for x in xs]
         return self.engine.process(calls, [[x] for x in xs])[0][0]
 
     def broadcast_initial_state(self, mirrored: Any) -> Any:
@@ -127,7 +126,7 @@ class MultiWorkerExtended(StrategyExtended):
                              f"tensors); build it with strategy.mirror")
         if not per_copy[0]:
             return mirrored
-        calls = [Call.of("broadcast", self._world(), (0,), ts) for ts in per_copy]
+        calls = [Call.of(Kind.BROADCAST, self._world(), (0,), ts) for ts in per_copy]
         outs = self.engine.process(calls, per_copy)
         with torch.no_grad():
             for ts, news in zip(per_copy, outs):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..engines.threads import DEFAULT_TIMEOUT, ThreadsEngine
 from .. import context
+from ..engines.base import DEFAULT_TIMEOUT
+from ..engines.threads import ThreadsEngine
 from .base import Strategy, StrategyExtended
 from ..devices import canonical_device
 

@@ -1,0 +1,71 @@
+"""Engine layer: the reduction order every engine shares.
+
+Invariant: a reduction of ``xs`` is ``((xs[0] op xs[1]) op xs[2]) op ...``,
+left to right, in the order the caller passes (engines pass ascending replica
+id), and MEAN is that SUM divided by ``len(xs)``. Every engine reduces with
+these two functions, so the in-process and the ordered cross-process results
+are the same bytes. bool tensors reduce with logical or (SUM, MAX, MEAN) and
+logical and (PROD, MIN), never through a number type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..reduce_op import ReduceOp
+
+__all__ = ["reduce_into", "reduced"]
+
+
+def reduce_into(op: ReduceOp, out: torch.Tensor, xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``out = xs[0] (op) xs[1] (op) ...`` left to right; MEAN also divides by len(xs)."""
+    if len(xs) == 1:
+        out.copy_(xs[0])
+    else:
+        _binary(op, xs[0], xs[1], out)
+        for x in xs[2:]:
+            _binary(op, out, x, out)
+    if op is ReduceOp.MEAN:
+        out.div_(len(xs))
+    return out
+
+
+def reduced(op: ReduceOp, xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A new tensor holding the left-to-right reduction of ``xs`` (as :func:`reduce_into`)."""
+    if len(xs) == 1:
+        out = xs[0].clone(memory_format=torch.contiguous_format)
+    else:
+        first = _FIRST[op] if xs[0].dtype != torch.bool else _FIRST_BOOL[op]
+        out = first(xs[0], xs[1])
+        for x in xs[2:]:
+            _binary(op, out, x, out)
+    if op is ReduceOp.MEAN:
+        out.div_(len(xs))
+    return out
+
+
+def _binary(op: ReduceOp, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    if out.dtype == torch.bool:
+        if op is ReduceOp.SUM or op is ReduceOp.MAX:
+            torch.logical_or(a, b, out=out)
+        else:  # PROD, MIN
+            torch.logical_and(a, b, out=out)
+    elif op is ReduceOp.SUM or op is ReduceOp.MEAN:
+        torch.add(a, b, out=out)
+    elif op is ReduceOp.MAX:
+        torch.maximum(a, b, out=out)
+    elif op is ReduceOp.MIN:
+        torch.minimum(a, b, out=out)
+    else:
+        torch.mul(a, b, out=out)
+
+
+# The first step of :func:`reduced`, which allocates its result.
+_FIRST: dict[ReduceOp, Callable[..., torch.Tensor]] = {
+    ReduceOp.SUM: torch.add, ReduceOp.MEAN: torch.add, ReduceOp.MAX: torch.maximum,
+    ReduceOp.MIN: torch.minimum, ReduceOp.PROD: torch.mul}
+_FIRST_BOOL: dict[ReduceOp, Callable[..., torch.Tensor]] = {
+    ReduceOp.SUM: torch.logical_or, ReduceOp.MAX: torch.logical_or, ReduceOp.MEAN: torch.logical_or,
+    ReduceOp.MIN: torch.logical_and, ReduceOp.PROD: torch.logical_and}

@@ -1,0 +1,156 @@
+"""Engine layer (torch_dist): all_reduce and reduce_scatter across workers.
+
+Local members reduce in-process (ascending replica id, ``reduction.py``), then
+the partials of every group of a worker set are bucketed per (dtype, op) and
+all-reduced once per bucket. MEAN is a SUM divided by the group size; bool is
+reduced as uint8 with MAX (sum/max = or) or MIN (prod/min = and), never through
+float. Complex PROD (unsupported by the backends) gathers and multiplies in
+worker order. Floating-point groups of three replicas or more go through the
+ordered all-reduce (``ordered.py``) unless the engine says otherwise.
+reduce_scatter is this all-reduce, then each member keeps its chunk.
+
+Invariant: every replica of a group gets the same bytes (the backends'
+all-reduce results are replicated, and everything else is a copy).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ...reduce_op import ReduceOp
+from ..base import scatter_slice
+from ..reduction import reduce_into
+from .ordered import ordered_all_reduce
+from .plan import Step, by_worker_set
+
+if TYPE_CHECKING:
+    from .engine import TorchDistEngine
+
+__all__ = ["all_reduce", "reduce_scatter"]
+
+
+def _dist_op(op: ReduceOp, dtype: torch.dtype) -> Any:
+    if dtype == torch.bool:
+        return dist.ReduceOp.MAX if op in (ReduceOp.SUM, ReduceOp.MAX) else dist.ReduceOp.MIN
+    return {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MEAN: dist.ReduceOp.SUM,
+            ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.MIN: dist.ReduceOp.MIN,
+            ReduceOp.PROD: dist.ReduceOp.PRODUCT}[op]
+
+
+def all_reduce(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
+    """All-reduce; in place, the results that are not already the inputs are copied into them."""
+    outs = _reduced(eng, step)
+    if step.inplace:
+        for xs, row in zip(step.payloads, outs):
+            for leaf, (x, out) in enumerate(zip(xs, row)):
+                if out.data_ptr() != x.data_ptr():
+                    x.copy_(out)
+                row[leaf] = x
+    return outs
+
+
+def reduce_scatter(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
+    full = _reduced(eng, step)
+    outs: list[list[torch.Tensor]] = []
+    for i, rid in enumerate(eng.local_replica_ids):
+        _, dims, sizes = step.params[rid]
+        group = next(group for group in step.call.groups if rid in group)
+        position, k = group.index(rid), len(group)
+        row = []
+        for leaf, x in enumerate(full[i]):
+            dim = dims[leaf]
+            start, length = scatter_slice(x.shape[dim], position, k, None if sizes is None else sizes[leaf])
+            row.append(x.narrow(dim, start, length).clone(memory_format=torch.contiguous_format))
+        outs.append(row)
+    return outs
+
+
+def _reduced(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
+    """Every local replica's reduced leaves (the op is ``params[0]`` of each group's call)."""
+    index, payloads, groups = eng.local_index, step.payloads, step.call.groups
+    n_leaves = len(payloads[0])
+    outs: list[list[Any]] = [[None] * n_leaves for _ in payloads]
+    for workers, entries in by_worker_set(eng.planner.plan(groups)).items():
+        if len(workers) == 1:
+            for entry in entries:
+                op = step.params[entry.local[0]][0]
+                for leaf in range(n_leaves):
+                    xs = [payloads[index[rid]][leaf] for rid in entry.local]
+                    acc = reduce_into(op, torch.empty_like(xs[0], memory_format=torch.contiguous_format),
+                                      [x.to(xs[0].device) for x in xs])
+                    eng.hand_out(outs, leaf, entry.local, acc)
+            continue
+        ops = [step.params[entry.local[0]][0] for entry in entries]
+        ref = payloads[index[entries[0].local[0]]]
+        ordered = [leaf for leaf in range(n_leaves) if eng.ordered_reductions and len(groups[0]) > 2
+                   and (ref[leaf].dtype.is_floating_point or ref[leaf].dtype.is_complex)]
+        if ordered:
+            ordered_all_reduce(eng, workers, entries, ops, ordered, payloads, outs)
+        # partials[(entry number, leaf)]: reduced over the local members, on the comm device
+        partials: dict[tuple[int, int], torch.Tensor] = {}
+        for number, entry in enumerate(entries):
+            local_op = ReduceOp.SUM if ops[number] is ReduceOp.MEAN else ops[number]
+            for leaf in range(n_leaves):
+                if leaf in ordered:
+                    continue
+                xs = [payloads[index[rid]][leaf] for rid in entry.local]
+                if len(xs) == 1 and step.inplace and xs[0].device == eng.comm_device:
+                    partial = xs[0]  # the caller's own buffer: reduced where it lies, no copy
+                elif len(xs) == 1:  # our own copy: the collective works in place
+                    partial = eng.pool.empty(tuple(xs[0].shape), xs[0].dtype, eng.comm_device).copy_(xs[0])
+                else:
+                    xs = [x.to(eng.comm_device) for x in xs]
+                    partial = reduce_into(local_op, torch.empty_like(xs[0], memory_format=torch.contiguous_format),
+                                          xs)
+                partials[(number, leaf)] = partial
+        buckets: dict[tuple[torch.dtype, ReduceOp], list[tuple[int, int]]] = {}
+        for key, partial in partials.items():
+            buckets.setdefault((partial.dtype, ops[key[0]]), []).append(key)
+        for (dtype, op), keys in buckets.items():
+            results = _all_reduce_buffer(eng, [partials[key] for key in keys], op, dtype, entries[0].subgroup,
+                                         workers)
+            for (number, leaf), result in zip(keys, results):
+                entry = entries[number]
+                if op is ReduceOp.MEAN:
+                    result.div_(len(entry.group))
+                eng.hand_out(outs, leaf, entry.local, result)
+    return outs
+
+
+def _all_reduce_buffer(eng: TorchDistEngine, parts: list[torch.Tensor], op: ReduceOp, dtype: torch.dtype,
+                       pg: Any, workers: tuple[int, ...]) -> list[torch.Tensor]:
+    """All-reduces ``parts`` (same dtype) over the workers of ``pg`` in one collective."""
+    if dtype.is_complex and op is ReduceOp.PROD:
+        return _prod_by_gather(eng, parts, pg, workers)
+    if len(parts) == 1:  # already a fresh buffer (see _reduced)
+        flat = parts[0].reshape(-1)
+        views = [parts[0]]
+    else:
+        flat = torch.cat([part.reshape(-1) for part in parts])
+        views, offset = [], 0
+        for part in parts:
+            views.append(flat[offset:offset + part.numel()].view(part.shape))
+            offset += part.numel()
+    if flat.numel():
+        wire = flat.view(torch.uint8) if dtype == torch.bool else flat
+        eng.watchdog.wait(dist.all_reduce(wire, op=_dist_op(op, dtype), group=pg, async_op=True), workers)
+    return views
+
+
+def _prod_by_gather(eng: TorchDistEngine, parts: list[torch.Tensor], pg: Any,
+                    workers: tuple[int, ...]) -> list[torch.Tensor]:
+    flat = torch.cat([part.reshape(-1) for part in parts])
+    gathered = torch.empty(len(workers) * flat.numel(), dtype=flat.dtype, device=flat.device)
+    eng.watchdog.wait(dist.all_gather_into_tensor(gathered, flat, group=pg, async_op=True), workers)
+    rows = gathered.view(len(workers), -1)
+    acc = rows[0].clone()
+    for row in rows[1:]:
+        acc.mul_(row)
+    views, offset = [], 0
+    for part in parts:
+        views.append(acc[offset:offset + part.numel()].view(part.shape))
+        offset += part.numel()
+    return views

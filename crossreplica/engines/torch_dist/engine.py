@@ -1,0 +1,189 @@
+"""Engine layer (torch_dist): the engine itself; one call for all local replicas of a worker.
+
+Each process (a *worker*) drives ``replicas_per_worker`` local replicas; the
+global replica id is ``worker_rank * replicas_per_worker + local_index``.
+:meth:`TorchDistEngine.process` runs the cross-process half of a collective
+for every local replica of the worker at once: with one replica per worker
+that is the whole engine, with several the hierarchical engine
+(``engines/hierarchical.py``) first meets the local replicas in-process.
+
+This module owns the call's life: the per-call record (``plan.Step``), the
+dispatch by kind to one module per collective, and the sticky failure state.
+Invariant: once a cross-process call failed, the process group is out of step,
+so every later call raises at once (a dead peer, a timeout, a mismatch or a
+raising replica elsewhere) rather than meeting the wrong call on another worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAborted
+from ..base import FINISHED, Call, Engine, Kind, check_inplace, is_inplace
+from ..buffer_pool import BufferPool
+from .all_reduce import all_reduce, reduce_scatter
+from .broadcast import broadcast
+from .gather import all_gather
+from .p2p import all_to_all, permute
+from .plan import Planner, Step
+from .signatures import check_signatures
+from .watchdog import Watchdog, is_peer_loss
+
+__all__ = ["TorchDistEngine"]
+
+
+class TorchDistEngine(Engine):
+    """Collectives between processes through torch.distributed, one replica per worker
+    (or, as the base of the hierarchical engine, all local replicas of a worker at once)."""
+
+    def __init__(self, devices: Sequence[torch.device], timeout: float,
+                 check_collectives: bool = False, comm_device: torch.device | None = None,
+                 ordered_reductions: bool = True):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "TorchDistEngine needs an initialised torch.distributed process group; use "
+                "cr.MultiWorkerMirroredStrategy, which initialises it from the torchrun environment")
+        self.devices = tuple(devices)
+        self.replicas_per_worker = len(self.devices)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.num_replicas = self.world_size * self.replicas_per_worker
+        self.local_replica_ids = tuple(self.rank * self.replicas_per_worker + i
+                                       for i in range(self.replicas_per_worker))
+        #: replica id -> its position among the local replicas
+        self.local_index = {rid: i for i, rid in enumerate(self.local_replica_ids)}
+        self.backend = str(dist.get_backend())
+        if comm_device is None:
+            comm_device = (torch.device("cuda", torch.cuda.current_device())
+                           if self.backend == "nccl" else torch.device("cpu"))
+        self.comm_device = comm_device
+        self._timeout = float(timeout)
+        self.check_collectives = bool(check_collectives)
+        #: reduce floating point in ascending replica id (exactly the in-process results) rather
+        #: than with the backend's ring; matters only for groups of three replicas or more
+        self.ordered_reductions = ordered_reductions
+        self.watchdog = Watchdog(self.rank, self.world_size, self.replicas_per_worker, self._timeout,
+                                 self.backend)
+        self.planner = Planner(self.rank, self.world_size, self.replicas_per_worker, self._timeout)
+        # The one-local-replica all-reduce works in place on its own copy of the
+        # input: reused buffers spare the page faults of a fresh one each call.
+        self.pool = BufferPool(max_buffers=8)
+        self._broken: BaseException | None = None
+
+    @property
+    def timeout(self) -> float:
+        return self._timeout
+
+    @property
+    def broken(self) -> BaseException | None:
+        """The failure that put the process group out of step, or None."""
+        return self._broken
+
+    # ------------------------------------------------------------ Engine API
+
+    def execute(self, replica_id: int, call: Call, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self.process([call], [tensors])[0]
+
+    def finish(self, replica_id: int) -> None:
+        if self.check_collectives and self._broken is None:
+            self.process([FINISHED], [[]])
+
+    def abort(self, replica_id: int, exc: BaseException) -> None:
+        """Tells every other worker (through the store) that this one failed."""
+        if isinstance(exc, (ReplicaAborted, CollectiveTimeoutError, CollectiveMismatchError)):
+            return  # a consequence of another failure, already known everywhere
+        self.announce_failure(f"worker rank {self.rank} (replicas {list(self.local_replica_ids)}): replica "
+                              f"{replica_id} raised {type(exc).__name__}: {exc}")
+
+    def announce_failure(self, message: str) -> None:
+        """Sets the store's abort key (the other workers stop waiting) and breaks this engine."""
+        self.watchdog.announce(message)
+        self._broken = ReplicaAborted(f"this worker failed earlier: {message}")
+
+    def close(self) -> None:
+        self.planner.close()
+
+    # ------------------------------------------------------------ the worker-level call
+
+    def process(self, calls: Sequence[Call], payloads: Sequence[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """Runs one collective for every local replica (``calls``/``payloads`` in local order)."""
+        if self._broken is not None:
+            raise self._broken_error(self._broken)
+        watchdog = self.watchdog
+        watchdog.count += 1
+        call = calls[0]
+        watchdog.current = call  # described only if something goes wrong
+        try:
+            if self.check_collectives:
+                check_signatures(self, calls)
+            kind = call.kind
+            if kind is Kind.FINISHED:
+                return [[]]
+            inplace = is_inplace(call)
+            if inplace:
+                check_inplace(payloads)
+            else:
+                payloads = [[tensor if tensor.is_contiguous() else tensor.contiguous() for tensor in row]
+                            for row in payloads]
+            # Parameters agree within a group but may differ between groups (an uneven
+            # all_gather's sizes, a group-dependent broadcast source): looked up per group.
+            step = Step(call, {rid: own.params for rid, own in zip(self.local_replica_ids, calls)}, payloads,
+                        inplace)
+            if kind is Kind.ALL_REDUCE:
+                return all_reduce(self, step)
+            if kind is Kind.REDUCE_SCATTER:
+                return reduce_scatter(self, step)
+            if kind is Kind.ALL_GATHER:
+                return all_gather(self, step)
+            if kind is Kind.BROADCAST:
+                return broadcast(self, step)
+            if kind is Kind.ALL_TO_ALL:
+                return all_to_all(self, step)
+            if kind is Kind.PERMUTE:
+                return permute(self, step)
+            raise ValueError(f"unknown collective kind {str(kind)!r}")
+        except (CollectiveMismatchError, CollectiveTimeoutError, ReplicaAborted) as e:
+            self._broken = e
+            raise
+        except RuntimeError as e:
+            if not is_peer_loss(e):
+                raise
+            err = watchdog.lost(e)  # the process group can no longer be trusted
+            self._broken = err
+            raise err from e
+
+    def barrier(self, what: str = "barrier") -> None:
+        """Waits (bounded) until every worker reaches the same barrier."""
+        if self._broken is not None:
+            raise self._broken_error(self._broken)
+        watchdog = self.watchdog
+        watchdog.count += 1
+        watchdog.current = what
+        try:
+            watchdog.wait(dist.all_reduce(torch.zeros(1, device=self.comm_device), async_op=True),
+                          range(self.world_size))
+        except RuntimeError as e:
+            if not is_peer_loss(e):
+                raise
+            raise watchdog.lost(e) from e
+
+    def hand_out(self, outs: list[list[Any]], leaf: int, local: list[int], value: torch.Tensor,
+                 fresh: bool = True) -> None:
+        """Gives each local member of a group its own copy of ``value`` on its device
+        (the first may keep ``value`` itself when it is a ``fresh`` buffer of ours)."""
+        for k, rid in enumerate(local):
+            i = self.local_index[rid]
+            outs[i][leaf] = value.to(self.devices[i], copy=not (fresh and k == 0))
+
+    @staticmethod
+    def _broken_error(broken: BaseException) -> BaseException:
+        """What a call after ``broken`` raises."""
+        if isinstance(broken, ReplicaAborted):
+            return broken
+        return type(broken)(f"a previous collective failed, so the process group is out of step; "
+                            f"restart the workers (torchrun --max-restarts) and resume from a "
+                            f"checkpoint. The failure was: {broken}")

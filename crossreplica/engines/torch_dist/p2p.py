@@ -1,0 +1,146 @@
+"""Engine layer (torch_dist): point-to-point messages, all_to_all and permute.
+
+Each exchange sends one byte pack per peer worker through
+``batch_isend_irecv``; receivers know the sizes from their own shapes (shapes
+agree within a group), so nothing but the payload travels. Invariant: both
+sides of a pair of workers list their messages in the same order (senders and
+receivers walk groups and pairs in the same canonical order), and on gloo a
+transfer starts only once the peer has arrived (through the store), so a
+missing peer is a bounded, abort-aware wait rather than a lost receive.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ...packing import byte_pack_size, pack_bytes, unpack_bytes
+from .plan import Step
+
+if TYPE_CHECKING:
+    from .engine import TorchDistEngine
+
+__all__ = ["all_to_all", "exchange", "permute"]
+
+Spec = tuple[tuple[int, ...], torch.dtype]
+
+
+def exchange(eng: TorchDistEngine, sends: dict[int, list[torch.Tensor]],
+             recvs: dict[int, list[Spec]]) -> dict[int, list[torch.Tensor]]:
+    """Sends one packed message per peer worker and receives one from each expected peer."""
+    ops, inbox = [], {}
+    for worker in sorted(set(sends) | set(recvs)):
+        if worker in recvs:
+            nbytes = byte_pack_size(recvs[worker])
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=eng.comm_device)
+            inbox[worker] = buf
+            if nbytes:
+                ops.append(dist.P2POp(dist.irecv, buf, worker))
+        if worker in sends:
+            buf = pack_bytes(sends[worker], eng.comm_device)
+            if buf.numel():
+                ops.append(dist.P2POp(dist.isend, buf, worker))
+    if ops:
+        peers = tuple(sorted(set(sends) | set(recvs) | {eng.rank}))
+        works = dist.batch_isend_irecv(ops)
+        watchdog = eng.watchdog
+        if eng.backend == "nccl" or watchdog.store is None:
+            for work in works:
+                watchdog.wait(work, peers)
+        else:
+            # gloo's send/recv works cannot be waited on in slices: a timed-out wait
+            # completes the work with an error (the recv is lost). So wait for the peers
+            # to arrive through the store (sliced, abort-aware), then for the transfer.
+            deadline = watchdog.await_peers([worker for worker in peers if worker != eng.rank], peers)
+            for work in works:
+                work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+    return {worker: unpack_bytes(inbox[worker], recvs[worker])[0] for worker in recvs}
+
+
+def _chunk(x: torch.Tensor, split_dim: int, position: int, k: int) -> torch.Tensor:
+    """The ``position``-th of ``k`` equal chunks of ``x`` along ``split_dim``."""
+    size = x.shape[split_dim] // k
+    return x.narrow(split_dim, position * size, size)
+
+
+def all_to_all(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
+    index, per_worker, payloads = eng.local_index, eng.replicas_per_worker, step.payloads
+    n_leaves = len(payloads[0])
+    leaves = range(n_leaves)
+    sends: dict[int, list[torch.Tensor]] = {}
+    recvs: dict[int, list[Spec]] = {}
+    order: dict[int, list[tuple[int, int]]] = {}  # peer worker -> (sender, receiver) pairs
+    for entry in eng.planner.plan(step.call.groups):
+        if not entry.local:
+            continue
+        group, k = entry.group, len(entry.group)
+        ref = payloads[index[entry.local[0]]]
+        split_dims = step.params[entry.local[0]][0]
+        for sender in group:
+            for receiver in group:
+                sender_worker, receiver_worker = sender // per_worker, receiver // per_worker
+                if sender_worker == eng.rank and receiver_worker != eng.rank:
+                    sends.setdefault(receiver_worker, []).extend(
+                        _chunk(payloads[index[sender]][leaf], split_dims[leaf], group.index(receiver), k)
+                        for leaf in leaves)
+                elif receiver_worker == eng.rank and sender_worker != eng.rank:
+                    recvs.setdefault(sender_worker, []).extend(
+                        (tuple(_chunk(ref[leaf], split_dims[leaf], 0, k).shape), ref[leaf].dtype)
+                        for leaf in leaves)
+                    order.setdefault(sender_worker, []).append((sender, receiver))
+    inbox = exchange(eng, sends, recvs)
+    received: dict[tuple[int, int], list[torch.Tensor]] = {}
+    for worker, pairs in order.items():
+        for n, pair in enumerate(pairs):
+            received[pair] = inbox[worker][n * n_leaves:(n + 1) * n_leaves]
+    outs = []
+    for i, receiver in enumerate(eng.local_replica_ids):
+        group = next(group for group in step.call.groups if receiver in group)
+        k, device = len(group), eng.devices[i]
+        split_dims, concat_dims = step.params[receiver]
+        row = []
+        for leaf in leaves:
+            pieces = []
+            for sender in group:
+                if sender // per_worker == eng.rank:
+                    pieces.append(_chunk(payloads[index[sender]][leaf], split_dims[leaf], group.index(receiver),
+                                         k).to(device))
+                else:
+                    pieces.append(received[(sender, receiver)][leaf].to(device))
+            row.append(torch.cat(pieces, concat_dims[leaf]))
+        outs.append(row)
+    return outs
+
+
+def permute(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
+    pairs: Sequence[tuple[int, int]] = step.call.params[0]
+    index, per_worker, payloads = eng.local_index, eng.replicas_per_worker, step.payloads
+    ref = payloads[0]
+    specs = [(tuple(x.shape), x.dtype) for x in ref]
+    sends: dict[int, list[torch.Tensor]] = {}
+    recvs: dict[int, list[Spec]] = {}
+    order: dict[int, list[int]] = {}  # peer worker -> the local targets of its messages
+    for source, target in pairs:
+        source_worker, target_worker = source // per_worker, target // per_worker
+        if source_worker == eng.rank and target_worker != eng.rank:
+            sends.setdefault(target_worker, []).extend(payloads[index[source]])
+        elif target_worker == eng.rank and source_worker != eng.rank:
+            recvs.setdefault(source_worker, []).extend(specs)
+            order.setdefault(source_worker, []).append(target)
+    inbox = exchange(eng, sends, recvs)
+    outs: list[list[torch.Tensor]] = [[torch.zeros_like(x) for x in p] for p in payloads]
+    n_leaves = len(ref)
+    for worker, targets in order.items():
+        for n, target in enumerate(targets):
+            i = index[target]
+            outs[i] = [v.to(eng.devices[i], copy=True) for v in inbox[worker][n * n_leaves:(n + 1) * n_leaves]]
+    for source, target in pairs:
+        if source // per_worker == eng.rank and target // per_worker == eng.rank:
+            i = index[target]
+            outs[i] = [x.to(eng.devices[i], copy=True) for x in payloads[index[source]]]
+    return outs

@@ -1,0 +1,225 @@
+"""Engine layer (torch_dist): bounded, abort-aware waits, and what a failure says.
+
+Invariant: no wait of this engine outlasts the timeout, and a worker whose
+replica raised releases the others within a fraction of a second. On CPU
+(gloo) waits are sliced: between slices the worker checks a store key that a
+failing worker sets (:meth:`Watchdog.announce`); on timeout the store's
+progress keys tell which ranks never arrived. NCCL waits are left to NCCL's
+own watchdog, which enforces the process-group timeout.
+
+Store keys, under one prefix per engine: ``abort`` (the failing worker's
+message), ``progress/<rank>`` (the last cross-process call a worker reached),
+``p2p/<a>-><b>`` (point-to-point exchanges worker ``a`` reached with ``b``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from ...errors import CollectiveTimeoutError, CrossReplicaError, ReplicaAborted
+from ..base import Call
+
+__all__ = ["Watchdog", "WorkerFailedError", "is_peer_loss"]
+
+_SLICE = 0.25  # seconds between abort-key checks while a collective waits
+
+# The errors torch raises, typed, when a peer or the store host is gone (NCCL, the TCP store).
+_TYPED_LOSS = (dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError)
+# gloo's Work.wait rethrows its transport's gloo::IoException ("Connection closed by peer",
+# "Timed out waiting ... for recv") as a plain RuntimeError: for that untyped error only,
+# the message is what tells a lost peer from a bug in the call.
+_GLOO_LOSS_WORDS = ("connection", "closed", "reset by peer", "broken pipe", "read error", "write error",
+                    "timed out", "timeout", "socket", "unreachable", "gloo", "nccl")
+# gloo's Work.wait(timeout) ends a slice with this untyped RuntimeError; the work goes on.
+_GLOO_SLICE_TIMEOUT = "Operation timed out"
+
+
+class WorkerFailedError(CollectiveTimeoutError):
+    """The connection to another worker broke during a collective: it died, so its
+    replicas will never arrive (``missing`` holds their ids, when known)."""
+
+
+def is_peer_loss(e: BaseException) -> bool:
+    """Whether a backend error means a peer is gone (rather than a bug in the call)."""
+    if isinstance(e, _TYPED_LOSS):
+        return True
+    if type(e) is RuntimeError:  # untyped: gloo (see _GLOO_LOSS_WORDS)
+        text = str(e).lower()
+        return any(word in text for word in _GLOO_LOSS_WORDS)
+    return False
+
+
+def _default_store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - private API: without it, no prompt abort
+        return None
+
+
+class Watchdog:
+    """Waits and failure reports of one engine; counts its cross-process calls."""
+
+    def __init__(self, rank: int, world_size: int, replicas_per_worker: int, timeout: float,
+                 backend: str):
+        self.rank = rank
+        self.world_size = world_size
+        self.replicas_per_worker = replicas_per_worker
+        self.timeout = timeout
+        self.backend = backend
+        self.store = _default_store()
+        # Every worker creates its engines in the same order (SPMD), so its own count
+        # of engines names the same engine everywhere.
+        serial = 0
+        if self.store is not None:
+            serial = self.store.add(f"crossreplica/engines-of-rank{rank}", 1)
+        self._prefix = f"crossreplica/engine{serial}"
+        #: cross-process calls so far (the same on every worker: SPMD)
+        self.count = 0
+        #: the call under way, described only if something goes wrong
+        self.current: Call | str = "no collective yet"
+        self._exchanges: dict[int, int] = {}  # peer worker -> point-to-point exchanges with it so far
+
+    @property
+    def where(self) -> str:
+        what = self.current.describe() if isinstance(self.current, Call) else self.current
+        return f"{what} (cross-process call #{self.count})"
+
+    # ------------------------------------------------------------ waiting
+
+    def wait(self, work: Any, ranks: Sequence[int]) -> None:
+        """Waits for ``work`` in slices, checking the abort key; bounded by the timeout."""
+        if self.backend == "nccl":
+            work.wait()  # the NCCL watchdog enforces the process-group timeout
+            return
+        deadline = time.monotonic() + self.timeout
+        posted = False
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                work.wait(datetime.timedelta(seconds=max(min(_SLICE, left), 0.001)))
+                return
+            except RuntimeError as e:
+                # Anything but the end of a slice (or a finished work) is the backend
+                # reporting a real failure.
+                if _GLOO_SLICE_TIMEOUT not in str(e) or work.is_completed():
+                    raise
+            if not posted:
+                self.post_progress()
+                posted = True
+            self._raise_if_aborted_or_late(deadline, ranks, lambda: self._missing(ranks))
+
+    def await_peers(self, peers: Sequence[int], ranks: Sequence[int]) -> float:
+        """Posts this worker's arrival at its next exchange with each of ``peers`` and waits
+        (abort-aware, bounded by the timeout) until each has posted its arrival at the same
+        exchange; returns the deadline. Both sides of a pair walk their exchanges in the
+        same order, so a per-pair count names the same exchange on both. Needs the store."""
+        deadline = time.monotonic() + self.timeout
+        want = {}
+        for peer in peers:
+            want[peer] = self._exchanges.get(peer, 0) + 1
+            self._exchanges[peer] = want[peer]
+            self.store.add(f"{self._prefix}/p2p/{self.rank}->{peer}", 1)
+        pause, posted = 0.0005, False
+        while True:
+            waiting = [peer for peer in peers
+                       if self.store.add(f"{self._prefix}/p2p/{peer}->{self.rank}", 0) < want[peer]]
+            if not waiting:
+                return deadline
+            if not posted and pause >= 0.01:
+                self.post_progress()
+                posted = True
+            self._raise_if_aborted_or_late(deadline, ranks, lambda: waiting)  # noqa: B023 - called at once
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+
+    def _raise_if_aborted_or_late(self, deadline: float, ranks: Sequence[int],
+                                  missing: Callable[[], Sequence[int]]) -> None:
+        """Raises if another worker announced a failure, or ``deadline`` has passed
+        (naming the worker ranks ``missing()`` returns and their replicas)."""
+        aborted = self.abort_message()
+        if aborted is not None:
+            raise ReplicaAborted(f"{aborted}; this worker was released from {self.where}")
+        if time.monotonic() >= deadline:
+            late = list(missing())
+            replicas = self._replicas_of(late)
+            raise CollectiveTimeoutError(
+                f"collective {self.where} timed out after {self.timeout:g}s on worker rank "
+                f"{self.rank}: worker ranks {late} (replicas {list(replicas)}) never "
+                f"arrived (ranks taking part: {list(ranks)})", replicas)
+
+    def _replicas_of(self, workers: Sequence[int]) -> tuple[int, ...]:
+        per_worker = self.replicas_per_worker
+        return tuple(rid for worker in workers for rid in range(worker * per_worker, (worker + 1) * per_worker))
+
+    # ------------------------------------------------------------ the store keys
+
+    def announce(self, message: str) -> None:
+        """Sets the abort key, so the other workers stop waiting (best effort)."""
+        if self.store is not None:
+            try:
+                self.store.set(f"{self._prefix}/abort", message)
+            except Exception:  # noqa: BLE001, S110 - best effort; the timeout still bounds the wait
+                pass
+
+    def post_progress(self) -> None:
+        if self.store is not None:
+            try:
+                self.store.set(f"{self._prefix}/progress/{self.rank}", str(self.count))
+            except Exception:  # noqa: BLE001, S110 - best effort, as announce
+                pass
+
+    def abort_message(self) -> str | None:
+        if self.store is None:
+            return None
+        key = f"{self._prefix}/abort"
+        try:
+            if self.store.check([key]):
+                return self.store.get(key).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - a dead store host shows up as a lost peer instead
+            return None
+        return None
+
+    def _missing(self, ranks: Sequence[int], grace: float = 0.0) -> list[int]:
+        """Ranks among ``ranks`` that have not posted progress at this call (store based)."""
+        if self.store is None:
+            return [rank for rank in ranks if rank != self.rank]
+        end = time.monotonic() + grace
+        while True:
+            missing = []
+            for rank in ranks:
+                if rank == self.rank:
+                    continue
+                key = f"{self._prefix}/progress/{rank}"
+                try:
+                    seen = int(self.store.get(key)) if self.store.check([key]) else -1
+                except Exception:  # noqa: BLE001
+                    seen = -1
+                if seen < self.count:
+                    missing.append(rank)
+            if not missing or time.monotonic() >= end:
+                return missing
+            time.sleep(0.1)
+
+    def lost(self, e: BaseException) -> CrossReplicaError:
+        """Turns a backend error (a peer closed its connection) into our error type."""
+        aborted = self.abort_message()
+        if aborted is not None:
+            return ReplicaAborted(f"{aborted}; this worker was released from {self.where}")
+        self.post_progress()
+        missing = self._missing(range(self.world_size), grace=1.0)
+        aborted = self.abort_message()
+        if aborted is not None:
+            return ReplicaAborted(f"{aborted}; this worker was released from {self.where}")
+        replicas = self._replicas_of(missing)
+        who = (f"worker ranks {missing} (replicas {list(replicas)}) did not reach it and are presumed "
+               f"dead" if missing else "the failing worker is unknown")
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first.split(". ")[0]  # the backend's advice that follows is not ours to give
+        return WorkerFailedError(
+            f"collective {self.where} failed on worker rank {self.rank}: the connection to another "
+            f"worker broke ({first}); {who}", replicas)
