@@ -17,7 +17,9 @@ the jobs. Each worker is launched by its own ``start_processes`` call: the
 launcher gives every process the argument tuples of all ranks, and a worker
 holding another's pipe would keep that pipe open after its owner died. Workers
 are forked from the ``forkserver`` with torch and crossreplica preloaded, so a
-(re)start costs a fork and a process-group set-up, not an import of torch.
+(re)start costs a fork and a process-group set-up, not an import of torch. The
+forkserver and its preload list are process-wide: the pool sets the list before
+the forkserver's first use and never stops it (it exits with this process).
 
 Invariants:
 
@@ -153,7 +155,6 @@ class _Worker:
     rank: int
     process: PContext
     conn: mpc.Connection
-    logdir: str
 
 
 class WorkerPool:
@@ -204,12 +205,12 @@ class WorkerPool:
         if self._workers:
             raise WorkerPoolError(f"{self!r} is already started")
         multiprocessing.set_forkserver_preload(_PRELOAD)  # no effect once the forkserver runs
-        self._logroot = tempfile.mkdtemp(prefix="crossreplica-workers-")
+        self._logroot = logroot = tempfile.mkdtemp(prefix="crossreplica-workers-")
         port = free_port()
         try:
             with _one_omp_thread():  # read when the forkserver imports torch
                 for rank in range(self.num_workers):
-                    self._workers.append(self._launch(rank, port))
+                    self._workers.append(self._launch(rank, port, os.path.join(logroot, f"rank{rank}")))
             replies = self._collect(list(range(self.num_workers)), time.monotonic() + START_LIMIT)
             failures = {r: v["failure"] for r, v in replies.answers.items() if "failure" in v}
             if failures or replies.exited or replies.unanswered:
@@ -221,14 +222,12 @@ class WorkerPool:
             raise
         return self
 
-    def _launch(self, rank: int, port: int) -> _Worker:
+    def _launch(self, rank: int, port: int, logdir: str) -> _Worker:
         env = {"RANK": str(rank), "WORLD_SIZE": str(self.num_workers), "LOCAL_RANK": str(rank),
                "LOCAL_WORLD_SIZE": str(self.num_workers), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
                "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(self.num_workers),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                "TORCHELASTIC_RUN_ID": f"crossreplica-{port}"}  # one run: the strategy keys its store by it
-        assert self._logroot is not None
-        logdir = os.path.join(self._logroot, f"rank{rank}")
         mine, theirs = multiprocessing.Pipe()
         try:
             process = start_processes(
@@ -242,7 +241,7 @@ class WorkerPool:
             raise
         finally:
             theirs.close()  # the worker holds the only other end: its death is EOF here
-        return _Worker(rank, process, mine, logdir)
+        return _Worker(rank, process, mine)
 
     def close(self) -> None:
         """Kills every worker (its whole process group), reaps it and removes the logs."""
