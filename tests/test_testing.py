@@ -137,3 +137,5 @@ def test_bad_arguments_say_what_was_expected():
         crt.run_replicas(_sum, [1] * 4, engine="processes", replicas_per_worker=3)
     with pytest.raises(ValueError, match="num_workers must be a positive int; got 0"):
         crt.WorkerPool(0)
+    with pytest.raises(ValueError, match="fn must be a function defined at module level"):
+        crt.run_replicas(lambda x: x, [1, 2], engine="processes")

@@ -37,24 +37,23 @@ test should not pay for).
 """
 
 from crossreplica.testing.pool import (
-                                       DEFAULT_TIMEOUT,
-                                       Outcome,
-                                       WorkerPool,
-                                       free_port,
-                                       layout,
-                                       shutdown_pools,
+    DEFAULT_TIMEOUT,
+    Outcome,
+    WorkerPool,
+    free_port,
+    layout,
 )
 from crossreplica.testing.remote import (
-                                       RemoteReplicaError,
-                                       WorkerFailure,
-                                       WorkerPoolError,
+    RemoteReplicaError,
+    WorkerFailure,
+    WorkerPoolError,
 )
 from crossreplica.testing.runner import (
-                                       ENGINES,
-                                       launch,
-                                       run_replicas,
-                                       run_workers,
-                                       shutdown,
+    ENGINES,
+    launch,
+    run_replicas,
+    run_workers,
+    shutdown,
 )
 
 __all__ = [
@@ -71,5 +70,4 @@ __all__ = [
     "run_replicas",
     "run_workers",
     "shutdown",
-    "shutdown_pools",
 ]

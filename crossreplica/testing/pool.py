@@ -26,16 +26,15 @@ Invariants:
 * Every wait has a deadline: a pool starts within ``START_LIMIT`` seconds, a job
   ends within :func:`job_limit` of the collective timeout, or the call fails.
 * A job that fails anywhere leaves the pool's engine out of step (torch.distributed
-  refuses further work), so :func:`run_pooled` closes that pool and the next call
+  refuses further work), so ``run_replicas`` closes that pool and the next call
   starts a fresh one.
 * :meth:`WorkerPool.close` kills each worker's process group and reaps it;
-  :func:`shutdown_pools` (also run at interpreter exit) closes every pool, so no
-  worker outlives the program. The forkserver exits with the program.
+  ``shutdown_pools`` (also run at interpreter exit) closes every persistent pool,
+  so no worker outlives the program. The forkserver exits with the program.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import logging
@@ -59,11 +58,7 @@ from torch.distributed.elastic.multiprocessing import (
     start_processes,
 )
 
-from crossreplica.testing.remote import (
-    WorkerFailure,
-    WorkerPoolError,
-    primary_exception,
-)
+from crossreplica.testing.remote import WorkerFailure, WorkerPoolError
 from crossreplica.testing.worker import function_spec, serve
 
 if TYPE_CHECKING:
@@ -215,7 +210,7 @@ class WorkerPool:
             failures = {r: v["failure"] for r, v in replies.answers.items() if "failure" in v}
             if failures or replies.exited or replies.unanswered:
                 raise WorkerPoolError(
-                    f"{self!r} did not start: " + _describe(failures, replies.exited, replies.unanswered,
+                    f"{self!r} did not start: " + describe(failures, replies.exited, replies.unanswered,
                                                             START_LIMIT) + "\n" + self.logs())
         except BaseException:
             self.close()
@@ -299,11 +294,15 @@ class WorkerPool:
         start = time.monotonic()
         spec = {**function_spec(fn), "mode": mode}
         rpw = self.replicas_per_worker
+        # Every payload is pickled before any is sent: an unpicklable argument leaves no worker
+        # waiting in a collective for the others.
+        jobs = [pickle.dumps({**spec, "args": [[a[i] for i in range(w.rank * rpw, (w.rank + 1) * rpw)]
+                                               for a in per_replica_args]})
+                for w in self._workers]
         sent, broken = [], {}
-        for w in self._workers:
-            ids = range(w.rank * rpw, (w.rank + 1) * rpw)
+        for w, job in zip(self._workers, jobs):
             try:
-                w.conn.send_bytes(pickle.dumps({**spec, "args": [[a[i] for i in ids] for a in per_replica_args]}))
+                w.conn.send_bytes(job)
                 sent.append(w.rank)
             except OSError:
                 broken[w.rank] = self._exitcode(w)
@@ -374,67 +373,10 @@ def check_per_replica_args(num_replicas: int, per_replica_args: Sequence[Sequenc
                              f"got {len(a)}")
 
 
-def _describe(failures: dict[int, WorkerFailure], exited: dict[int, int | None], unanswered: Sequence[int],
+def describe(failures: dict[int, WorkerFailure], exited: dict[int, int | None], unanswered: Sequence[int],
               bound: float) -> str:
     parts = [f"worker rank {r} raised {f.type_name}: {f.message}" for r, f in sorted(failures.items())]
     parts += [f"worker rank {r} exited with code {c}" for r, c in sorted(exited.items())]
     if unanswered:
         parts.append(f"worker ranks {list(unanswered)} did not answer within {bound:g}s")
     return "; ".join(parts)
-
-
-# ---------------------------------------------------------------------- persistent pools
-
-_pools: dict[tuple[int, int, float, bool], WorkerPool] = {}
-
-
-def pooled(num_workers: int, replicas_per_worker: int, timeout_seconds: float = DEFAULT_TIMEOUT,
-           check_collectives: bool = False) -> WorkerPool:
-    """The running pool of this layout and options, started on first use or after a failure."""
-    key = (num_workers, replicas_per_worker, float(timeout_seconds), bool(check_collectives))
-    pool = _pools.get(key)
-    if pool is not None and not pool.alive:
-        pool.close()
-        pool = None
-    if pool is None:
-        pool = WorkerPool(num_workers, replicas_per_worker, timeout_seconds=timeout_seconds,
-                          check_collectives=check_collectives).start()
-        _pools[key] = pool
-    return pool
-
-
-def run_pooled(fn: Callable[..., Any], num_replicas: int, per_replica_args: Sequence[Sequence[Any]],
-               replicas_per_worker: int | None = None, timeout_seconds: float = DEFAULT_TIMEOUT,
-               check_collectives: bool = False) -> list[Any]:
-    """Per-replica results of ``fn`` on a persistent pool; a failed job's exception is raised here."""
-    workers, rpw = resolve_layout(num_replicas, replicas_per_worker)
-    check_per_replica_args(num_replicas, per_replica_args)
-    pool = pooled(workers, rpw, timeout_seconds, check_collectives)
-    try:
-        out = pool.run(fn, *per_replica_args)
-    except BaseException:
-        _discard(pool)
-        raise
-    if out.ok:
-        return [out.results[r] for r in range(num_replicas)]
-    _discard(pool)  # the engine refuses work after a failure: the next call gets a fresh pool
-    if out.failures:
-        raise primary_exception(out.failures)
-    raise WorkerPoolError(f"{fn.__qualname__} on {pool!r}: "
-                          f"{_describe({}, out.exitcodes, out.unanswered, job_limit(timeout_seconds))}\n{out.log}")
-
-
-def _discard(pool: WorkerPool) -> None:
-    pool.close()
-    for key in [k for k, p in _pools.items() if p is pool]:
-        del _pools[key]
-
-
-def shutdown_pools() -> None:
-    """Closes every persistent pool (a test session's end; also run at interpreter exit)."""
-    while _pools:
-        _, pool = _pools.popitem()
-        pool.close()
-
-
-atexit.register(shutdown_pools)

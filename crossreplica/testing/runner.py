@@ -10,13 +10,19 @@ a list in replica-id order. If a replica raised, its exception is raised here
 * ``"threads"``: a ``cr.MirroredStrategy`` in this process, kept per
   (num_replicas, timeout) so its replica threads serve many calls.
 * ``"processes"``: a persistent :class:`~crossreplica.testing.pool.WorkerPool`
-  per layout and options (see that module).
+  per (workers, replicas_per_worker, timeout, check_collectives), started on
+  first use. A job that fails anywhere closes its pool (torch.distributed
+  refuses work after a failure) and the next call starts a fresh one.
+  :func:`shutdown` closes them all; it also runs at interpreter exit.
+
+:func:`launch` and :func:`run_workers` run one job on fresh workers instead.
 """
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import crossreplica as cr
 from crossreplica.testing.pool import (
@@ -24,24 +30,16 @@ from crossreplica.testing.pool import (
     Outcome,
     WorkerPool,
     check_per_replica_args,
+    describe,
+    job_limit,
     resolve_layout,
-    run_pooled,
-    shutdown_pools,
 )
 from crossreplica.testing.remote import WorkerPoolError, primary_exception
+from crossreplica.testing.worker import Boxed, function_spec
 
 ENGINES: tuple[str, ...] = ("threads", "processes")
 
 _strategies: dict[tuple[int, float], cr.MirroredStrategy] = {}
-
-
-class _Box:
-    """A per-replica result in a fresh object, so regroup always wraps it."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any):
-        self.value = value
 
 
 def _run_threads(fn: Callable[..., Any], num_replicas: int, per_replica_args: Sequence[Sequence[Any]],
@@ -54,7 +52,7 @@ def _run_threads(fn: Callable[..., Any], num_replicas: int, per_replica_args: Se
                                                           timeout_seconds=timeout_seconds)
     # Always PerReplica (also for one replica), so a None argument is not trimmed by run.
     args = tuple(cr.PerReplica(list(a)) for a in per_replica_args)
-    result = strategy.run(lambda *a: _Box(fn(*a)), args=args)
+    result = strategy.run(Boxed(fn), args=args)
     if num_replicas == 1:
         return [result.value]
     return [box.value for box in result.values]
@@ -120,12 +118,73 @@ def run_workers(main: Callable[[Any], Any], num_workers: int, replicas_per_worke
     with WorkerPool(num_workers, replicas_per_worker, timeout_seconds=timeout_seconds,
                     check_collectives=check_collectives) as pool:
         out = pool.run(main, mode="main")
+    if not out.ok:
+        raise_failed(out, f"run_workers({main.__qualname__})", timeout_seconds)
+    return [out.results[r] for r in range(num_workers)]
+
+
+# ---------------------------------------------------------------------- persistent pools
+
+_pools: dict[tuple[int, int, float, bool], WorkerPool] = {}
+
+
+def pooled(num_workers: int, replicas_per_worker: int, timeout_seconds: float = DEFAULT_TIMEOUT,
+           check_collectives: bool = False) -> WorkerPool:
+    """The running pool of this layout and options, started on first use or after a failure."""
+    key = (num_workers, replicas_per_worker, float(timeout_seconds), bool(check_collectives))
+    pool = _pools.get(key)
+    if pool is not None and not pool.alive:
+        pool.close()
+        pool = None
+    if pool is None:
+        pool = WorkerPool(num_workers, replicas_per_worker, timeout_seconds=timeout_seconds,
+                          check_collectives=check_collectives).start()
+        _pools[key] = pool
+    return pool
+
+
+def run_pooled(fn: Callable[..., Any], num_replicas: int, per_replica_args: Sequence[Sequence[Any]],
+               replicas_per_worker: int | None = None, timeout_seconds: float = DEFAULT_TIMEOUT,
+               check_collectives: bool = False) -> list[Any]:
+    """Per-replica results of ``fn`` on a persistent pool; a failed job's exception is raised here."""
+    workers, rpw = resolve_layout(num_replicas, replicas_per_worker)
+    check_per_replica_args(num_replicas, per_replica_args)
+    function_spec(fn)  # a function workers cannot import fails here, before any pool starts
+    pool = pooled(workers, rpw, timeout_seconds, check_collectives)
+    try:
+        out = pool.run(fn, *per_replica_args)
+    except BaseException:
+        _discard(pool)
+        raise
+    if out.ok:
+        return [out.results[r] for r in range(num_replicas)]
+    _discard(pool)  # the engine refuses work after a failure: the next call gets a fresh pool
+    raise_failed(out, f"{fn.__qualname__} on {pool!r}", timeout_seconds)
+
+
+def raise_failed(out: Outcome, what: str, timeout_seconds: float) -> NoReturn:
+    """Raises for a job that did not succeed: the culprit's exception, rebuilt, when a worker
+    reported one; else WorkerPoolError naming the workers that exited or did not answer."""
     if out.failures:
         raise primary_exception(out.failures)
-    if not out.ok:
-        raise WorkerPoolError(f"run_workers({main.__qualname__}): exit codes {out.exitcodes}, "
-                              f"no answer from ranks {list(out.unanswered)}\n{out.log}")
-    return [out.results[r] for r in range(num_workers)]
+    raise WorkerPoolError(f"{what}: {describe({}, out.exitcodes, out.unanswered, job_limit(timeout_seconds))}"
+                          f"\n{out.log}")
+
+
+def _discard(pool: WorkerPool) -> None:
+    pool.close()
+    for key in [k for k, p in _pools.items() if p is pool]:
+        del _pools[key]
+
+
+def shutdown_pools() -> None:
+    """Closes every persistent pool (a test session's end; also run at interpreter exit)."""
+    while _pools:
+        _, pool = _pools.popitem()
+        pool.close()
+
+
+atexit.register(shutdown_pools)
 
 
 def shutdown() -> None:

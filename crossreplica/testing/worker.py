@@ -36,7 +36,7 @@ import crossreplica as cr
 from crossreplica.testing.remote import capture
 
 
-class _Box:
+class Box:
     """One replica's result in a fresh object: never the same object on two replicas,
     so regroup always wraps it and select_replica hands back each replica's own."""
 
@@ -46,16 +46,22 @@ class _Box:
         self.value = value
 
 
-class _Boxed:
+class Boxed:
+    """``fn`` returning its result in a :class:`Box`."""
+
     def __init__(self, fn: Callable[..., Any]):
         self.fn = fn
 
-    def __call__(self, *args: Any) -> _Box:
-        return _Box(self.fn(*args))
+    def __call__(self, *args: Any) -> Box:
+        return Box(self.fn(*args))
 
 
 def function_spec(fn: Callable[..., Any]) -> dict[str, Any]:
     """How a worker finds ``fn``: its module, qualified name and the module's file."""
+    name = getattr(fn, "__qualname__", None)
+    if not callable(fn) or not isinstance(name, str) or "<" in name or not getattr(fn, "__module__", None):
+        raise ValueError(f"fn must be a function defined at module level, which worker processes import "
+                         f"by module and name; got {fn!r}. Move it out of the enclosing function or lambda.")
     module = sys.modules.get(fn.__module__)
     return {"module": fn.__module__, "name": fn.__qualname__, "file": getattr(module, "__file__", None)}
 
@@ -135,7 +141,7 @@ def _serve(conn: Connection, replicas_per_worker: int, timeout_seconds: float, c
             else:
                 # Always PerReplica (also for one replica), so a None argument is not trimmed by run.
                 args = [cr.PerReplica(tuple(a)) for a in job["args"]]
-                result = strategy.run(_Boxed(fn), args)
+                result = strategy.run(Boxed(fn), args)
                 boxes = [cr.select_replica(i, result) for i in range(len(ids))]
                 results = {r: box.value for r, box in zip(ids, boxes)}
             data = pickle.dumps({"results": results})
