@@ -10,7 +10,7 @@ Options: ``timeout_seconds`` (collective timeout, default 30 s so a hang bug
 fails fast instead of waiting the library's 300 s), ``check_collectives``
 (processes: the strategy's opt-in comparison of calls across workers).
 
-To run the suite against another engine, add it to crossreplica.testing.ENGINES.
+The engine list (conftest.ENGINES) is crossreplica.testing.ENGINES.
 """
 
 from __future__ import annotations

@@ -9,11 +9,12 @@ Write the replica function once and check it on every engine::
     def step(x):                       # module-level: worker processes import it
         return cr.all_reduce(x, "sum")
 
-    xs = [torch.full((2,), float(r)) for r in range(4)]
-    for engine in crt.ENGINES:         # "threads", "processes"
-        out = crt.run_replicas(step, xs, engine=engine)      # 4 replicas: 2 workers x 2
-        assert all(torch.equal(o, sum(xs)) for o in out)
-    crt.shutdown()                     # or leave it to interpreter exit
+    if __name__ == "__main__":         # workers import this file: run nothing there
+        xs = [torch.full((2,), float(r)) for r in range(4)]
+        for engine in crt.ENGINES:     # "threads", "processes"
+            out = crt.run_replicas(step, xs, engine=engine)  # 4 replicas: 2 workers x 2
+            assert all(torch.equal(o, sum(xs)) for o in out)
+        crt.shutdown()                 # or leave it to interpreter exit
 
 With pytest, parametrise a fixture over ``crt.ENGINES`` and call
 ``crt.shutdown()`` from a session-scoped fixture's teardown.

@@ -354,19 +354,20 @@ class _Replies:
     unanswered: tuple[int, ...]
 
 
-class _one_omp_thread:
+@contextlib.contextmanager
+def _one_omp_thread() -> Iterator[None]:
     """OMP_NUM_THREADS=1 while workers start (unless set): workers share the machine's cores."""
-
-    def __enter__(self) -> None:
-        self.had = "OMP_NUM_THREADS" in os.environ
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-    def __exit__(self, *exc: object) -> None:
-        if not self.had:
+    had = "OMP_NUM_THREADS" in os.environ
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        yield
+    finally:
+        if not had:
             os.environ.pop("OMP_NUM_THREADS", None)
 
 
 def check_per_replica_args(num_replicas: int, per_replica_args: Sequence[Sequence[Any]]) -> None:
+    """ValueError unless every per-replica argument has one entry per replica."""
     for k, a in enumerate(per_replica_args):
         if len(a) != num_replicas:
             raise ValueError(f"per-replica argument {k} must have one entry per replica ({num_replicas}); "
@@ -374,7 +375,8 @@ def check_per_replica_args(num_replicas: int, per_replica_args: Sequence[Sequenc
 
 
 def describe(failures: dict[int, WorkerFailure], exited: dict[int, int | None], unanswered: Sequence[int],
-              bound: float) -> str:
+             bound: float) -> str:
+    """One line per worker that raised, exited or did not answer within ``bound`` seconds."""
     parts = [f"worker rank {r} raised {f.type_name}: {f.message}" for r, f in sorted(failures.items())]
     parts += [f"worker rank {r} exited with code {c}" for r, c in sorted(exited.items())]
     if unanswered:
