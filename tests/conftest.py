@@ -5,19 +5,19 @@ from __future__ import annotations
 import functools
 import os
 
-# Before crossreplica is imported (here, through harness, or in a worker): the
+# Before crossreplica is imported (here, or in a worker's forkserver): the
 # threads engine's parallel path starts at 256 KiB per replica, so the suite's
 # "large" tensors (test_collectives.LARGE) take it without being slow.
 os.environ.setdefault("CROSSREPLICA_PARALLEL_BYTES", str(256 * 1024))
 
-import pytest  # noqa: E402
+import pytest
+from harness import RUNNERS, STARTUP_SECONDS
 
-from harness import RUNNERS, STARTUP_SECONDS  # noqa: E402
+import crossreplica.testing as crt
 
-# Adding an engine to the whole suite: add its name here and its runner to
-# harness.RUNNERS. Engines other than "threads" spawn processes and are
-# marked ``multiprocess``.
-ENGINES = ["threads", "processes"]
+# Every engine crossreplica.testing runs; engines other than "threads" spawn
+# processes and are marked ``multiprocess``.
+ENGINES = list(crt.ENGINES)
 
 
 def _param(name: str):
@@ -60,11 +60,7 @@ def time_bound(engine):
 def _stop_process_pools():
     """Kills the worker pools of the "processes" engine at the end of the session."""
     yield
-    import sys
-
-    pools = sys.modules.get("process_pool")
-    if pools is not None:
-        pools.shutdown()
+    crt.shutdown()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,87 +1,49 @@
-"""How the engine-agnostic tests run a replica function on N replicas.
+"""How the engine-agnostic tests run a replica function on N replicas: crossreplica.testing.
 
-Each engine provides ``run(fn, num_replicas, *per_replica_args, **opts)``:
-``fn`` is a module-level (picklable) function, called once per replica inside
-a replica context with that replica's entry of every ``per_replica_args``
-sequence; the results come back as a list in replica-id order. Results must
-be picklable so an engine built on processes can return them.
+Each engine provides ``run(fn, num_replicas, *per_replica_args, **opts)``, the
+signature of the ``run_replicas`` fixture (conftest.py): ``fn`` is a
+module-level (picklable) function, called once per replica inside a replica
+context with that replica's entry of every ``per_replica_args`` sequence; the
+results come back as a list in replica-id order.
 
 Options: ``timeout_seconds`` (collective timeout, default 30 s so a hang bug
-fails fast instead of waiting the library's 300 s).
+fails fast instead of waiting the library's 300 s), ``check_collectives``
+(processes: the strategy's opt-in comparison of calls across workers).
 
-To run the suite against another engine, add its runner to RUNNERS and its
-name to ``conftest.ENGINES``.
+The engine list (conftest.ENGINES) is crossreplica.testing.ENGINES.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import os
+from collections.abc import Callable
+from typing import Any
 
-import crossreplica as cr
+import crossreplica.testing as crt
 
-DEFAULT_TIMEOUT = 30.0
-
-_strategies: dict[tuple[int, float], cr.MirroredStrategy] = {}
-
-
-def _strategy(num_replicas: int, timeout: float) -> cr.MirroredStrategy:
-    # Strategies keep persistent replica threads; reusing them keeps the suite fast.
-    key = (num_replicas, timeout)
-    if key not in _strategies:
-        _strategies[key] = cr.MirroredStrategy(num_replicas=num_replicas, timeout_seconds=timeout)
-    return _strategies[key]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_TIMEOUT = crt.DEFAULT_TIMEOUT
 
 
-def _check_args(num_replicas: int, per_replica_args: Sequence[Sequence[Any]]) -> None:
-    for k, a in enumerate(per_replica_args):
-        if len(a) != num_replicas:
-            raise ValueError(f"per_replica_args[{k}] has {len(a)} entries for {num_replicas} replicas")
+def _runner(engine: str) -> Callable[..., list[Any]]:
+    def run(fn: Callable[..., Any], num_replicas: int, *per_replica_args: Any, **opts: Any) -> list[Any]:
+        return crt.run_replicas(fn, *per_replica_args, num_replicas=num_replicas, engine=engine, **opts)
+    return run
 
 
-class _Tagged:
-    """A per-replica result box: never the same object on two replicas, so
-    regroup always wraps it and select_replica gives each replica's own."""
+RUNNERS: dict[str, Callable[..., list[Any]]] = {engine: _runner(engine) for engine in crt.ENGINES}
 
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any):
-        self.value = value
-
-
-def _tagged(fn: Callable[..., Any]) -> Callable[..., Any]:
-    def call(*args: Any) -> _Tagged:
-        return _Tagged(fn(*args))
-    return call
-
-
-def run_threads(fn: Callable[..., Any], num_replicas: int, *per_replica_args: Sequence[Any],
-                timeout_seconds: float = DEFAULT_TIMEOUT) -> list[Any]:
-    _check_args(num_replicas, per_replica_args)
-    strategy = _strategy(num_replicas, timeout_seconds)
-    # Always PerReplica (also for one replica) so a None argument is not trimmed by run.
-    args = tuple(cr.PerReplica(list(a)) for a in per_replica_args)
-    result = strategy.run(_tagged(fn), args=args)
-    if num_replicas == 1:
-        return [result.value]
-    return [box.value for box in result.values]
-
-
-def run_processes(fn: Callable[..., Any], num_replicas: int, *per_replica_args: Sequence[Any],
-                  timeout_seconds: float = DEFAULT_TIMEOUT, check_collectives: bool = False) -> list[Any]:
-    """The same contract on real processes: persistent worker pools (tests/process_pool.py).
-
-    ``check_collectives``: build the workers' strategy with it (conftest turns it on for
-    tests marked ``detects_mismatch``; the in-process engine always checks)."""
-    from process_pool import run_pooled
-
-    return run_pooled(fn, num_replicas, *per_replica_args, timeout_seconds=timeout_seconds,
-                      check_collectives=check_collectives)
-
-
-RUNNERS: dict[str, Callable[..., list[Any]]] = {"threads": run_threads, "processes": run_processes}
-
-# Seconds an engine needs to start its replicas (processes: the launcher and
-# process-group set-up); time bounds in failure tests are added to it.
-# A pool of processes starts lazily (on its layout's first job, and again after a failed
-# job): a fork from a forkserver that has imported torch, then process-group set-up.
+# Seconds an engine needs to start its replicas; time bounds in failure tests are added to it.
+# A pool of processes starts lazily (on its layout's first job, and again after a failed job):
+# a fork from a forkserver that has imported torch, then process-group set-up.
 STARTUP_SECONDS: dict[str, float] = {"threads": 0.0, "processes": 10.0}
+
+
+def subprocess_env() -> dict[str, str]:
+    """This process's environment for a launched command (torchrun, the CLI), with the repository
+    on PYTHONPATH and one OpenMP thread per process."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop("CROSSREPLICA_CHECK_COLLECTIVES", None)
+    return env

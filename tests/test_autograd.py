@@ -1,4 +1,4 @@
-"""Gradients of the differentiable collectives (issue 3, item 10).
+"""Gradients of the differentiable collectives.
 
 A collective's backward is itself a collective, so it must run inside the
 replica function. The tests therefore build one GLOBAL function of every

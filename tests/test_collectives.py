@@ -1,4 +1,4 @@
-"""The collectives matrix (issue 3, item 7): every collective x op x dtype x
+"""The collectives matrix: every collective x op x dtype x
 group form x replica count, against a plain-torch reference computed here.
 
 Every case runs through the ``run_replicas`` fixture, so it runs on every

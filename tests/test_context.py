@@ -1,4 +1,4 @@
-"""Strategy and replica contexts (issue 2, item 5)."""
+"""Strategy and replica contexts: the scope stack, replica contexts and their properties."""
 
 from __future__ import annotations
 

@@ -82,12 +82,14 @@ def test_cli_train_multi_worker_under_torchrun():
     import subprocess
     import sys
 
-    from harness_processes import REPO, _env, free_port
+    from harness import REPO, subprocess_env
+
+    from crossreplica.testing import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "crossreplica.cli",
            "train", "--strategy", "multi_worker", "--epochs", "2", "--no-progress"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(None), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=180)

@@ -1,4 +1,4 @@
-"""Failure cases (issue 3, item 8): every one is an error within a time bound,
+"""Failure cases: every one is an error within a time bound,
 never a hang, and the strategy is usable afterwards."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Group assignments, contiguous/strided groups and Mesh (issue 2, item 3)."""
+"""Group assignments (both spellings, contiguous and strided groups) and Mesh axes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""merge_call (issue 3, item 9): one merge_fn in cross-replica context, regrouped
+"""merge_call: one merge_fn in cross-replica context, regrouped
 arguments, each replica's part back; disagreeing replicas get an error."""
 
 from __future__ import annotations

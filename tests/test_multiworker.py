@@ -1,7 +1,7 @@
-"""Collectives, values and strategy APIs on real processes (torchrun), against plain-torch references.
+"""Collectives, values and strategy APIs on real processes, against plain-torch references.
 
-Each launch costs seconds (every worker imports torch), so one replica function
-exercises many collectives and the test compares each against a reference
+One replica function exercises many collectives on worker processes
+(crossreplica.testing) and the test compares each against a reference
 computed here. Layouts: 2 workers x 1 replica (the flat engine) and 2 workers x
 2 replicas (the hierarchical engine: local reduction, then one cross-process
 collective per worker).
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import crossreplica as cr
-from harness_processes import run_processes, run_workers
+from crossreplica.testing import run_replicas, run_workers
 
 pytestmark = pytest.mark.multiprocess
 
@@ -103,12 +103,12 @@ def _check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 def test_collectives_match_plain_torch(layout):
     n, rpw, check = layout
     inp = _inputs(n)
-    res = run_processes(collective_suite, n, inp["x"], inp["xi"], inp["xb"], inp["ragged"],
-                        replicas_per_worker=rpw, timeout=150, check_collectives=check)
+    res = run_replicas(collective_suite, inp["x"], inp["xi"], inp["xb"], inp["ragged"], engine="processes",
+                       replicas_per_worker=rpw, check_collectives=check)
     x, xi, xb, rag = inp["x"], inp["xi"], inp["xb"], inp["ragged"]
     strided = [list(range(s, n, 2)) for s in range(2)]
     contig = [list(range(s, s + 2)) for s in range(0, n, 2)]
-    group = lambda groups, r: next(g for g in groups if r in g)  # noqa: E731
+    group = lambda groups, r: next(g for g in groups if r in g)
     for r, out in enumerate(res):
         assert (out["rid"], out["n"]) == (r, n)
         for op in ("sum", "mean", "max", "min", "prod"):
@@ -200,7 +200,7 @@ def strategy_main(strategy: cr.Strategy) -> dict:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_strategy_api_across_workers(layout):
     n, rpw = layout
-    res = run_workers(strategy_main, n // rpw, replicas_per_worker=rpw, timeout=120)
+    res = run_workers(strategy_main, n // rpw, replicas_per_worker=rpw)
     for w, out in enumerate(res):
         local = list(range(w * rpw, (w + 1) * rpw))
         assert out["rank"] == w and list(out["local"]) == local and out["n"] == n
@@ -225,16 +225,3 @@ def test_strategy_api_across_workers(layout):
         for copy in out["weights"]:
             for got, want in zip(copy, chief.state_dict().values()):
                 assert torch.equal(got, want)
-
-
-def raise_value_error_on_replica_2(x: torch.Tensor) -> torch.Tensor:
-    if cr.replica_id() == 2:
-        raise ValueError(f"bad input on replica {cr.replica_id()}")
-    return cr.all_reduce(x, "sum")
-
-
-def test_run_processes_reraises_the_replica_exception():
-    # the in-process fixture's contract: pytest.raises sees the user's exception type
-    with pytest.raises(ValueError, match="bad input on replica 2") as info:
-        run_processes(raise_value_error_on_replica_2, 4, [torch.ones(1)] * 4, replicas_per_worker=2)
-    assert isinstance(info.value, cr.ReplicaError) and info.value.replica_id == 2

@@ -10,13 +10,13 @@ import sys
 
 import pytest
 import torch
+from harness import REPO, subprocess_env
 
 import crossreplica as cr
-from harness_processes import REPO, _env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import elastic_train  # noqa: E402
+import elastic_train
 
 
 def test_save_load_in_process_is_atomic_and_unwraps_mirrored(tmp_path):
@@ -66,7 +66,7 @@ def test_killed_run_resumes_from_checkpoint_under_torchrun_restarts(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "--max-restarts=1", "--monitor-interval=0.2", os.path.join(HERE, "elastic_train.py"),
            str(tmp_path), str(total), str(kill_at)]
-    proc = subprocess.Popen(cmd, env=_env(None), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, env=subprocess_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
         log, _ = proc.communicate(timeout=150)

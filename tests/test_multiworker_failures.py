@@ -2,9 +2,9 @@
 different collective makes every other worker fail promptly with an error that
 names the collective and the culprit, never a silent hang.
 
-Workers are launched directly (RANK/WORLD_SIZE/MASTER_* on an OS-chosen port),
-not through torchrun, whose agent would kill the survivors as soon as one
-worker exits, before they could report what they saw.
+``crossreplica.testing.launch`` runs each job on fresh workers and reports every
+worker's outcome: nothing kills the survivors when one worker fails or exits,
+so each reports what it saw.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import crossreplica as cr
-from harness_processes import launch
+from crossreplica.testing import launch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -32,16 +32,16 @@ def raise_on_last(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("n,rpw", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
 def test_raising_worker_releases_the_others(n, rpw):
-    out = launch(raise_on_last, n, [torch.ones(3)] * n, replicas_per_worker=rpw, launcher="direct",
-                 timeout=90, collective_timeout=COLLECTIVE_TIMEOUT)
-    assert set(out.errors) == {0, 1}, out.log[-3000:]
-    culprit = out.errors[1]
-    assert "ValueError" in culprit["mro"] and "boom from the last replica" in culprit["message"]
-    survivor = out.errors[0]
-    assert "ReplicaError" in survivor["mro"], survivor
-    assert f"replica {n - 1} raised ValueError: boom" in survivor["message"]
-    assert "worker rank 1" in survivor["message"] and "all_reduce" in survivor["message"]
-    assert survivor["elapsed"] < COLLECTIVE_TIMEOUT / 2, survivor  # released, not timed out
+    out = launch(raise_on_last, [torch.ones(3)] * n, num_replicas=n, replicas_per_worker=rpw,
+                 timeout_seconds=COLLECTIVE_TIMEOUT)
+    assert set(out.failures) == {0, 1}, out.log[-3000:]
+    culprit = out.failures[1]
+    assert culprit.is_instance("ValueError") and "boom from the last replica" in culprit.message
+    survivor = out.failures[0]
+    assert survivor.is_instance("ReplicaError"), survivor
+    assert f"replica {n - 1} raised ValueError: boom" in survivor.message
+    assert "worker rank 1" in survivor.message and "all_reduce" in survivor.message
+    assert survivor.elapsed < COLLECTIVE_TIMEOUT / 2, survivor  # released, not timed out
 
 
 def die_on_rank1(x: torch.Tensor) -> torch.Tensor:
@@ -52,13 +52,12 @@ def die_on_rank1(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_dead_worker_fails_the_others_promptly():
-    out = launch(die_on_rank1, 2, [torch.ones(3)] * 2, launcher="direct", timeout=90,
-                 collective_timeout=COLLECTIVE_TIMEOUT)
-    assert out.returncodes[1] == 3
-    survivor = out.errors[0]
-    assert "WorkerFailedError" in survivor["mro"], survivor
-    assert "all_gather" in survivor["message"] and "worker ranks [1]" in survivor["message"], survivor
-    assert survivor["elapsed"] < COLLECTIVE_TIMEOUT / 2, survivor
+    out = launch(die_on_rank1, [torch.ones(3)] * 2, timeout_seconds=COLLECTIVE_TIMEOUT)
+    assert out.exitcodes[1] == 3
+    survivor = out.failures[0]
+    assert survivor.is_instance("WorkerFailedError"), survivor
+    assert "all_gather" in survivor.message and "worker ranks [1]" in survivor.message, survivor
+    assert survivor.elapsed < COLLECTIVE_TIMEOUT / 2, survivor
 
 
 def hang_on_rank1(x: torch.Tensor) -> torch.Tensor:
@@ -70,12 +69,11 @@ def hang_on_rank1(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_missing_worker_times_out_naming_it():
-    out = launch(hang_on_rank1, 2, [torch.ones(3)] * 2, launcher="direct", timeout=90,
-                 collective_timeout=2.0)
-    survivor = out.errors[0]
-    assert "CollectiveTimeoutError" in survivor["mro"], survivor
-    assert "all_reduce(op=max" in survivor["message"] and "worker ranks [1]" in survivor["message"]
-    assert survivor["elapsed"] < 5, survivor
+    out = launch(hang_on_rank1, [torch.ones(3)] * 2, timeout_seconds=2.0)
+    survivor = out.failures[0]
+    assert survivor.is_instance("CollectiveTimeoutError"), survivor
+    assert "all_reduce(op=max" in survivor.message and "worker ranks [1]" in survivor.message
+    assert survivor.elapsed < 5, survivor
 
 
 def mismatched_shapes(x: torch.Tensor) -> torch.Tensor:
@@ -85,17 +83,17 @@ def mismatched_shapes(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("n,rpw", [(4, 2)], ids=["2x2"])
 def test_mismatched_shapes_with_checking(n, rpw):
-    out = launch(mismatched_shapes, n, [torch.ones(2)] * n, replicas_per_worker=rpw, launcher="direct",
-                 timeout=90, collective_timeout=COLLECTIVE_TIMEOUT, check_collectives=True)
-    assert set(out.errors) == {0, 1}, out.log[-3000:]
-    for rank, err in out.errors.items():
-        assert "CollectiveMismatchError" in err["mro"], err
-        msg = err["message"]
+    out = launch(mismatched_shapes, [torch.ones(2)] * n, num_replicas=n, replicas_per_worker=rpw,
+                 timeout_seconds=COLLECTIVE_TIMEOUT, check_collectives=True)
+    assert set(out.failures) == {0, 1}, out.log[-3000:]
+    for err in out.failures.values():
+        assert err.is_instance("CollectiveMismatchError"), err
+        msg = err.message
         for r in range(n):
             shape = [4 + r // 2]
             assert f"replica {r}: all_reduce(op=sum, groups=[[0, 1, 2, 3]], shapes=[{shape}]" in msg, msg
         assert "cross-process call #2" in msg
-        assert err["elapsed"] < COLLECTIVE_TIMEOUT / 2
+        assert err.elapsed < COLLECTIVE_TIMEOUT / 2
 
 
 def fewer_calls_on_rank1(x: torch.Tensor) -> torch.Tensor:
@@ -106,11 +104,11 @@ def fewer_calls_on_rank1(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_different_number_of_calls_with_checking():
-    out = launch(fewer_calls_on_rank1, 2, [torch.ones(2)] * 2, launcher="direct", timeout=90,
-                 collective_timeout=COLLECTIVE_TIMEOUT, check_collectives=True)
-    assert set(out.errors) == {0, 1}, out.log[-3000:]
-    for err in out.errors.values():
-        assert "CollectiveMismatchError" in err["mro"], err
-        assert "replica 0: all_gather(dim=[0, 0]" in err["message"], err["message"]
-        assert "replica 1: <returned from the replica function>" in err["message"], err["message"]
-        assert err["elapsed"] < COLLECTIVE_TIMEOUT / 2
+    out = launch(fewer_calls_on_rank1, [torch.ones(2)] * 2, timeout_seconds=COLLECTIVE_TIMEOUT,
+                 check_collectives=True)
+    assert set(out.failures) == {0, 1}, out.log[-3000:]
+    for err in out.failures.values():
+        assert err.is_instance("CollectiveMismatchError"), err
+        assert "replica 0: all_gather(dim=[0, 0]" in err.message, err.message
+        assert "replica 1: <returned from the replica function>" in err.message, err.message
+        assert err.elapsed < COLLECTIVE_TIMEOUT / 2

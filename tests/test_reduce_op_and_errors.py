@@ -1,4 +1,4 @@
-"""ReduceOp spellings (issue 2, item 1) and the error hierarchy (item 4)."""
+"""ReduceOp spellings and the error hierarchy."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_strategy_reduce_names_reduce_op_argument():
 
 @pytest.mark.parametrize("name", ["ReplicaContextError", "CollectiveMismatchError",
                                   "CollectiveTimeoutError", "ReplicaError"])
-def test_design_errors_exist_and_are_reexported(name):
+def test_public_errors_exist_and_are_reexported(name):
     cls = getattr(cr.errors, name)
     assert isinstance(cls, type) and issubclass(cls, Exception)
     assert getattr(cr, name) is cls

@@ -1,4 +1,4 @@
-"""OneDeviceStrategy and MirroredStrategy (issue 2, item 6)."""
+"""OneDeviceStrategy and MirroredStrategy: run, reduce, gather and local results."""
 
 from __future__ import annotations
 

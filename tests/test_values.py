@@ -1,4 +1,4 @@
-"""DistributedValues, regroup and select_replica (issue 2, item 2)."""
+"""DistributedValues, regroup and select_replica."""
 
 from __future__ import annotations
 

@@ -1,0 +1,384 @@
+"""Worker processes for tests: a pool of torchrun-style workers that serves many jobs.
+
+A :class:`WorkerPool` starts ``num_workers`` processes through torch's elastic
+launcher (``torch.distributed.elastic.multiprocessing.start_processes``), each
+with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+GROUP_RANK, ROLE_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT an OS-chosen free
+port) and its stdout/stderr in the launcher's log files. Each worker builds
+``cr.MultiWorkerMirroredStrategy(replicas_per_worker)`` once and then runs jobs
+sent down its pipe (:mod:`crossreplica.testing.worker`).
+
+Why a pool and not one launch per call: importing torch and setting up a process
+group costs seconds, a test suite makes hundreds of calls. torch's launcher
+starts processes and supervises them until they exit, but has no way to hand a
+running worker another function. So the pool keeps the launcher for what it
+does (start, environment, logs, exit codes, kill) and adds a pipe per worker for
+the jobs. Each worker is launched by its own ``start_processes`` call: the
+launcher gives every process the argument tuples of all ranks, and a worker
+holding another's pipe would keep that pipe open after its owner died. Workers
+are forked from the ``forkserver`` with torch and crossreplica preloaded, so a
+(re)start costs a fork and a process-group set-up, not an import of torch. The
+forkserver and its preload list are process-wide: the pool sets the list before
+the forkserver's first use and never stops it (it exits with this process).
+
+Invariants:
+
+* Every wait has a deadline: a pool starts within ``START_LIMIT`` seconds, a job
+  ends within :func:`job_limit` of the collective timeout, or the call fails.
+* A job that fails anywhere leaves the pool's engine out of step (torch.distributed
+  refuses further work), so ``run_replicas`` closes that pool and the next call
+  starts a fresh one.
+* :meth:`WorkerPool.close` kills each worker's process group and reaps it;
+  ``shutdown_pools`` (also run at interpreter exit) closes every persistent pool,
+  so no worker outlives the program. The forkserver exits with the program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection as mpc
+import os
+import pickle
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed.elastic.multiprocessing import (
+    DefaultLogsSpecs,
+    PContext,
+    Std,
+    start_processes,
+)
+
+from crossreplica.testing.remote import WorkerFailure, WorkerPoolError
+from crossreplica.testing.worker import function_spec, serve
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+DEFAULT_TIMEOUT = 30.0
+START_LIMIT = 60.0  # seconds for a pool to start: fork, process-group set-up, strategy
+_PRELOAD = ["torch", "crossreplica", "crossreplica.testing.worker"]
+_LAUNCHER_LOG = logging.getLogger(PContext.__module__)
+
+
+@contextlib.contextmanager
+def _launcher_quiet() -> Iterator[None]:
+    """Silences the launcher's log while the pool kills workers or reads the exit code of
+    one that died: both are reported by the pool, the launcher would log them as errors."""
+    level = _LAUNCHER_LOG.level
+    _LAUNCHER_LOG.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        _LAUNCHER_LOG.setLevel(level)
+
+
+def layout(num_replicas: int) -> tuple[int, int]:
+    """The (workers, replicas_per_worker) the suite uses for ``num_replicas`` replicas.
+
+    1 -> 1x1, 2 -> 2x1, 4 -> 2x2 (the hierarchical engine), other even counts ->
+    2 x n/2, odd counts -> n x 1.
+    """
+    if not isinstance(num_replicas, int) or num_replicas < 1:
+        raise ValueError(f"num_replicas must be a positive int; got {num_replicas!r}")
+    if num_replicas <= 2 or num_replicas % 2:
+        return num_replicas, 1
+    return 2, num_replicas // 2
+
+
+def resolve_layout(num_replicas: int, replicas_per_worker: int | None = None) -> tuple[int, int]:
+    """(workers, replicas_per_worker): :func:`layout` unless ``replicas_per_worker`` is given."""
+    if replicas_per_worker is None:
+        return layout(num_replicas)
+    if (not isinstance(replicas_per_worker, int) or replicas_per_worker < 1
+            or num_replicas % replicas_per_worker):
+        raise ValueError(f"replicas_per_worker must be a positive int dividing num_replicas={num_replicas}; "
+                         f"got {replicas_per_worker!r}")
+    return num_replicas // replicas_per_worker, replicas_per_worker
+
+
+def job_limit(timeout_seconds: float) -> float:
+    """Wall-clock bound on one job: a failure ends within a few collective timeouts
+    (the hierarchical engine's local rendezvous waits up to 2 x timeout + 5 s)."""
+    return 3 * timeout_seconds + 30.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that the OS reports free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What one job produced on every worker; see :meth:`WorkerPool.run`.
+
+    Attributes:
+        results: replica id -> result (worker rank -> result for ``mode="main"``).
+        failures: worker rank -> what its job raised.
+        exitcodes: worker rank -> exit code, for workers that exited during the job
+            (``None`` when the code could not be read).
+        unanswered: ranks of workers still running that did not answer in time.
+        log: the tail of every worker's log when the job did not succeed, else "".
+        elapsed: seconds the job took, as seen by the caller.
+    """
+
+    results: dict[int, Any]
+    failures: dict[int, WorkerFailure]
+    exitcodes: dict[int, int | None]
+    unanswered: tuple[int, ...]
+    log: str
+    elapsed: float
+
+    @property
+    def ok(self) -> bool:
+        return not (self.failures or self.exitcodes or self.unanswered)
+
+
+@dataclasses.dataclass
+class _Worker:
+    rank: int
+    process: PContext
+    conn: mpc.Connection
+
+
+class WorkerPool:
+    """``num_workers`` worker processes joined by ``cr.MultiWorkerMirroredStrategy``.
+
+    Use as a context manager, or call :meth:`start` and :meth:`close`.
+
+    Args:
+        num_workers: worker processes (torch.distributed ranks).
+        replicas_per_worker: replicas in each worker (threads of the hierarchical engine).
+        timeout_seconds: the strategy's collective timeout.
+        check_collectives: the strategy's opt-in comparison of every call across workers.
+    """
+
+    def __init__(self, num_workers: int, replicas_per_worker: int = 1, *,
+                 timeout_seconds: float = DEFAULT_TIMEOUT, check_collectives: bool = False):
+        for name, value in (("num_workers", num_workers), ("replicas_per_worker", replicas_per_worker)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int; got {value!r}")
+        if not timeout_seconds > 0:
+            raise ValueError(f"timeout_seconds must be a positive number; got {timeout_seconds!r}")
+        self.num_workers = num_workers
+        self.replicas_per_worker = replicas_per_worker
+        self.timeout_seconds = float(timeout_seconds)
+        self.check_collectives = bool(check_collectives)
+        self._workers: list[_Worker] = []
+        self._logroot: str | None = None
+
+    @property
+    def num_replicas(self) -> int:
+        return self.num_workers * self.replicas_per_worker
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"WorkerPool(num_workers={self.num_workers}, replicas_per_worker={self.replicas_per_worker}, "
+                f"timeout_seconds={self.timeout_seconds:g}, check_collectives={self.check_collectives}, "
+                f"alive={self.alive})")
+
+    # ------------------------------------------------------------------ life cycle
+
+    def start(self) -> Self:
+        """Starts the workers and waits until each has built its strategy."""
+        if self._workers:
+            raise WorkerPoolError(f"{self!r} is already started")
+        multiprocessing.set_forkserver_preload(_PRELOAD)  # no effect once the forkserver runs
+        self._logroot = logroot = tempfile.mkdtemp(prefix="crossreplica-workers-")
+        port = free_port()
+        try:
+            with _one_omp_thread():  # read when the forkserver imports torch
+                for rank in range(self.num_workers):
+                    self._workers.append(self._launch(rank, port, os.path.join(logroot, f"rank{rank}")))
+            replies = self._collect(list(range(self.num_workers)), time.monotonic() + START_LIMIT)
+            failures = {r: v["failure"] for r, v in replies.answers.items() if "failure" in v}
+            if failures or replies.exited or replies.unanswered:
+                raise WorkerPoolError(
+                    f"{self!r} did not start: " + describe(failures, replies.exited, replies.unanswered,
+                                                            START_LIMIT) + "\n" + self.logs())
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _launch(self, rank: int, port: int, logdir: str) -> _Worker:
+        env = {"RANK": str(rank), "WORLD_SIZE": str(self.num_workers), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(self.num_workers), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+               "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(self.num_workers),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "TORCHELASTIC_RUN_ID": f"crossreplica-{port}"}  # one run: the strategy keys its store by it
+        mine, theirs = multiprocessing.Pipe()
+        try:
+            process = start_processes(
+                name=f"crossreplica-worker-{rank}", entrypoint=serve,
+                args={0: (theirs, self.replicas_per_worker, self.timeout_seconds, self.check_collectives,
+                          list(sys.path))},
+                envs={0: env}, logs_specs=DefaultLogsSpecs(log_dir=logdir, redirects=Std.ALL),
+                start_method="forkserver")
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()  # the worker holds the only other end: its death is EOF here
+        return _Worker(rank, process, mine)
+
+    def close(self) -> None:
+        """Kills every worker (its whole process group), reaps it and removes the logs."""
+        for w in self._workers:
+            w.conn.close()
+            for pid in w.process.pids().values():
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        with _launcher_quiet():
+            for w in self._workers:
+                w.process.close(death_sig=signal.SIGKILL, timeout=5)
+        self._workers = []
+        if self._logroot is not None:
+            shutil.rmtree(self._logroot, ignore_errors=True)
+            self._logroot = None
+
+    @property
+    def alive(self) -> bool:
+        """Whether the pool is started and every worker is still running."""
+        with _launcher_quiet():
+            return bool(self._workers) and all(w.process.wait(timeout=0) is None for w in self._workers)
+
+    def logs(self, limit: int = 4000) -> str:
+        """The last ``limit`` characters of each worker's stdout and stderr."""
+        out = []
+        for w in self._workers:
+            for stream, paths in (("stdout", w.process.stdouts), ("stderr", w.process.stderrs)):
+                try:
+                    with open(paths[0], errors="replace") as f:
+                        text = f.read()[-limit:]
+                except (OSError, KeyError, TypeError):
+                    text = ""
+                if text.strip():
+                    out.append(f"--- worker {w.rank} {stream} ---\n{text}")
+        return "\n".join(out)
+
+    # ------------------------------------------------------------------ jobs
+
+    def run(self, fn: Callable[..., Any], *per_replica_args: Sequence[Any], mode: str = "replica") -> Outcome:
+        """Runs one job on every worker and reports what each did; never raises for a worker's failure.
+
+        ``mode="replica"``: ``fn(*args)`` in every replica inside a replica context,
+        replica ``i`` getting entry ``i`` of each ``per_replica_args`` sequence.
+        ``mode="main"``: ``fn(strategy)`` once per worker, in cross-replica context.
+        ``fn`` must be importable by its module and qualified name; arguments and
+        results must be picklable.
+        """
+        if mode not in ("replica", "main"):
+            raise ValueError(f"mode must be 'replica' or 'main'; got {mode!r}")
+        if not self._workers:
+            raise WorkerPoolError(f"{self!r} is not started: call start() or use it in a with statement")
+        check_per_replica_args(self.num_replicas, per_replica_args)
+        start = time.monotonic()
+        spec = {**function_spec(fn), "mode": mode}
+        rpw = self.replicas_per_worker
+        # Every payload is pickled before any is sent: an unpicklable argument leaves no worker
+        # waiting in a collective for the others.
+        jobs = [pickle.dumps({**spec, "args": [[a[i] for i in range(w.rank * rpw, (w.rank + 1) * rpw)]
+                                               for a in per_replica_args]})
+                for w in self._workers]
+        sent, broken = [], {}
+        for w, job in zip(self._workers, jobs):
+            try:
+                w.conn.send_bytes(job)
+                sent.append(w.rank)
+            except OSError:
+                broken[w.rank] = self._exitcode(w)
+        replies = self._collect(sent, start + job_limit(self.timeout_seconds))
+        results: dict[int, Any] = {}
+        failures: dict[int, WorkerFailure] = {}
+        for rank, reply in replies.answers.items():
+            if "failure" in reply:
+                failures[rank] = reply["failure"]
+            else:
+                results.update(reply["results"])
+        exitcodes = {**broken, **replies.exited}
+        ok = not (failures or exitcodes or replies.unanswered)
+        return Outcome(results, failures, exitcodes, replies.unanswered, "" if ok else self.logs(),
+                       time.monotonic() - start)
+
+    def _collect(self, ranks: list[int], deadline: float) -> _Replies:
+        """One message from each of ``ranks``, until ``deadline``; a worker that exits is noted."""
+        pending = {self._workers[r].conn: self._workers[r] for r in ranks}
+        answers: dict[int, Any] = {}
+        exited: dict[int, int | None] = {}
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for conn in mpc.wait(list(pending), timeout=min(left, 1.0)):
+                w = pending.pop(conn)  # type: ignore[call-overload]
+                try:
+                    answers[w.rank] = pickle.loads(w.conn.recv_bytes())
+                except (EOFError, OSError):
+                    exited[w.rank] = self._exitcode(w)
+        return _Replies(answers, exited, tuple(sorted(w.rank for w in pending.values())))
+
+    @staticmethod
+    def _exitcode(w: _Worker, grace: float = 2.0) -> int | None:
+        with _launcher_quiet():
+            result = w.process.wait(timeout=grace, period=0.05)
+        if result is None:
+            return None
+        if result.failures:
+            return next(iter(result.failures.values())).exitcode
+        return 0
+
+
+@dataclasses.dataclass
+class _Replies:
+    answers: dict[int, Any]
+    exited: dict[int, int | None]
+    unanswered: tuple[int, ...]
+
+
+@contextlib.contextmanager
+def _one_omp_thread() -> Iterator[None]:
+    """OMP_NUM_THREADS=1 while workers start (unless set): workers share the machine's cores."""
+    had = "OMP_NUM_THREADS" in os.environ
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        yield
+    finally:
+        if not had:
+            os.environ.pop("OMP_NUM_THREADS", None)
+
+
+def check_per_replica_args(num_replicas: int, per_replica_args: Sequence[Sequence[Any]]) -> None:
+    """ValueError unless every per-replica argument has one entry per replica."""
+    for k, a in enumerate(per_replica_args):
+        if len(a) != num_replicas:
+            raise ValueError(f"per-replica argument {k} must have one entry per replica ({num_replicas}); "
+                             f"got {len(a)}")
+
+
+def describe(failures: dict[int, WorkerFailure], exited: dict[int, int | None], unanswered: Sequence[int],
+             bound: float) -> str:
+    """One line per worker that raised, exited or did not answer within ``bound`` seconds."""
+    parts = [f"worker rank {r} raised {f.type_name}: {f.message}" for r, f in sorted(failures.items())]
+    parts += [f"worker rank {r} exited with code {c}" for r, c in sorted(exited.items())]
+    if unanswered:
+        parts.append(f"worker ranks {list(unanswered)} did not answer within {bound:g}s")
+    return "; ".join(parts)

@@ -1,0 +1,150 @@
+"""The worker side of :class:`crossreplica.testing.WorkerPool`: one process, one strategy, many jobs.
+
+:func:`serve` is the entry point torch's elastic launcher starts in every worker,
+with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, ...)
+already set. It builds ``cr.MultiWorkerMirroredStrategy(replicas_per_worker)``
+once, reports its local replica ids, then serves jobs from its pipe until the
+pool closes it:
+
+* ``{"mode": "replica", ...}``: ``fn(*args)`` in every local replica through
+  ``strategy.run``; the reply maps each local replica id to its result.
+* ``{"mode": "main", ...}``: ``fn(strategy)`` once, in cross-replica context;
+  the reply maps the worker's rank to its result.
+
+A job that raises is answered with a :class:`~crossreplica.testing.remote.WorkerFailure`
+and the worker keeps serving; the pool decides whether to trust it again.
+``fn`` travels by module, qualified name and file; arguments and results as
+pickles (never shared memory).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import pickle
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+import crossreplica as cr
+from crossreplica.testing.remote import capture
+
+
+class Box:
+    """One replica's result in a fresh object: never the same object on two replicas,
+    so regroup always wraps it and select_replica hands back each replica's own."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+class Boxed:
+    """``fn`` returning its result in a :class:`Box`."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Box:
+        return Box(self.fn(*args))
+
+
+def function_spec(fn: Callable[..., Any]) -> dict[str, Any]:
+    """How a worker finds ``fn``: its module, qualified name and the module's file."""
+    name = getattr(fn, "__qualname__", None)
+    if not callable(fn) or not isinstance(name, str) or "<" in name or not getattr(fn, "__module__", None):
+        raise ValueError(f"fn must be a function defined at module level, which worker processes import "
+                         f"by module and name; got {fn!r}. Move it out of the enclosing function or lambda.")
+    module = sys.modules.get(fn.__module__)
+    return {"module": fn.__module__, "name": fn.__qualname__, "file": getattr(module, "__file__", None)}
+
+
+def load_function(spec: dict[str, Any]) -> Callable[..., Any]:
+    """The function a :func:`function_spec` names: imported by module name, else from its file."""
+    name = spec["module"]
+    if name == "__main__":  # the parent's script: importable here only from its file
+        name = "__crossreplica_main__"
+    module = sys.modules.get(name)
+    if module is None:
+        try:
+            if name == "__crossreplica_main__":
+                raise ImportError(name)
+            module = importlib.import_module(name)
+        except ImportError:
+            if not spec["file"]:
+                raise
+            file_spec = importlib.util.spec_from_file_location(name, spec["file"])
+            if file_spec is None or file_spec.loader is None:
+                raise
+            module = importlib.util.module_from_spec(file_spec)
+            sys.modules[name] = module
+            file_spec.loader.exec_module(module)
+    obj: Any = module
+    for part in spec["name"].split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def serve(conn: Connection, replicas_per_worker: int, timeout_seconds: float, check_collectives: bool,
+          path: list[str]) -> None:
+    """Entry point of a worker process (see the module docstring); never returns."""
+    try:
+        os.setsid()  # its own process group, so the pool's kill reaches whatever it starts
+    except OSError:
+        pass
+    code = 0
+    try:
+        _serve(conn, replicas_per_worker, timeout_seconds, check_collectives, path)
+    except BaseException:  # noqa: BLE001 - the pool sees the pipe close and reads the log
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Skip interpreter teardown: a worker released from a broken process group must not
+        # hang in the backend's destructors.
+        os._exit(code)
+
+
+def _serve(conn: Connection, replicas_per_worker: int, timeout_seconds: float, check_collectives: bool,
+           path: list[str]) -> None:
+    sys.path.extend(p for p in path if p not in sys.path)
+    os.environ.pop("CROSSREPLICA_CHECK_COLLECTIVES", None)  # the pool's argument decides
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    start = time.monotonic()
+    try:
+        strategy = cr.MultiWorkerMirroredStrategy(replicas_per_worker, timeout_seconds=timeout_seconds,
+                                                  check_collectives=check_collectives)
+    except BaseException as e:  # noqa: BLE001 - reported to the pool
+        conn.send_bytes(pickle.dumps({"failure": capture(e, rank, time.monotonic() - start)}))
+        return
+    ids = list(strategy.extended.local_replica_ids)
+    conn.send_bytes(pickle.dumps({"ready": ids}))
+    while True:
+        try:
+            job = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return  # the pool went away
+        start = time.monotonic()
+        try:
+            fn = load_function(job)
+            if job["mode"] == "main":
+                results = {rank: fn(strategy)}
+            else:
+                # Always PerReplica (also for one replica), so a None argument is not trimmed by run.
+                args = [cr.PerReplica(tuple(a)) for a in job["args"]]
+                result = strategy.run(Boxed(fn), args)
+                boxes = [cr.select_replica(i, result) for i in range(len(ids))]
+                results = {r: box.value for r, box in zip(ids, boxes)}
+            data = pickle.dumps({"results": results})
+        except BaseException as e:  # noqa: BLE001 - reported to the pool
+            data = pickle.dumps({"failure": capture(e, rank, time.monotonic() - start)})
+        conn.send_bytes(data)
