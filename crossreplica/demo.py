@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -259,7 +260,12 @@ def train_reference(config: TrainConfig, model: nn.Module, x: torch.Tensor, y: t
 
 
 def _progress(config: TrainConfig) -> Callable[[Any, int, int], Any]:
-    if not config.progress:
+    """A tqdm bar per epoch on a terminal; elsewhere (CI logs, files, pipes) no bar.
+
+    A bar redraws itself with carriage returns, which a log file keeps as residue;
+    without one the per-epoch line of :func:`train` is the progress report.
+    """
+    if not config.progress or not _is_terminal(sys.stderr):
         return lambda it, epoch, total: it
     try:
         from tqdm import tqdm
@@ -267,3 +273,10 @@ def _progress(config: TrainConfig) -> Callable[[Any, int, int], Any]:
         return lambda it, epoch, total: it
     return lambda it, epoch, total: tqdm(it, total=total, desc=f"epoch {epoch}/{config.epochs}",
                                          leave=False, unit="step", dynamic_ncols=True)
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
