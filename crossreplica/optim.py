@@ -26,7 +26,11 @@ Everything else is torch's: hooks registered on the wrapper
 the wrapper as the optimizer, LR schedulers (ReduceLROnPlateau included)
 drive it, and pickling or deep-copying keeps what torch's own optimizers keep
 (the wrapped optimizer and the wrapper's settings; not hooks, caches, or a
-scheduler's patch of ``step``).
+scheduler's patch of ``step``). Global step hooks
+(``torch.optim.optimizer.register_optimizer_step_pre_hook``) see two steps,
+the wrapper's and the wrapped optimizer's, as with any optimizer that steps
+another (torch's ZeroRedundancyOptimizer does the same); hooks registered on
+either optimizer fire once.
 
 In a group of one replica (OneDeviceStrategy) the reduction is the identity
 and no engine call is made, so training is bitwise that of plain torch.
