@@ -403,3 +403,14 @@ def test_torch_save_and_deepcopy_with_a_scheduler(run_replicas):
         assert r.pop("type") == "CrossShardOptimizer"
         assert r.pop("settings") == (cr.ReduceOp.MEAN, default_pack)
         assert r == expected
+
+
+def test_a_deep_copy_may_be_stepped_by_another_replica():
+    s = cr.MirroredStrategy(2, devices=["cpu"] * 2)
+    nets = [make_net(), make_net()]
+    opts = [CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.1)) for m in nets]
+    s.run(lambda o: o.step(), args=(cr.PerReplica(opts),))  # opts[0] belongs to replica 0 now
+    with pytest.raises(ValueError, match="every replica needs its own optimizer"):
+        s.run(lambda o: o.step(), args=(cr.PerReplica(opts[::-1]),))
+    copies = [copy.deepcopy(o) for o in opts]  # a copy forgets its replica, as it forgets hooks
+    s.run(lambda o: o.step(), args=(cr.PerReplica(copies[::-1]),))
