@@ -56,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     train = sub.add_parser(
         "train", help="train an MLP on scikit-learn's digits on in-process replicas",
-        description="Trains an MLP classifier on scikit-learn's bundled digits data with a "
-                    "distribution strategy, then trains it again on one device with plain torch "
+        # Raw text (the epilog's commands keep their line breaks), so wrapped by hand.
+        description="Trains an MLP classifier on scikit-learn's bundled digits data with a\n"
+                    "distribution strategy, then trains it again on one device with plain torch\n"
                     "and reports the largest parameter difference.",
         epilog=_TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("--replicas", type=_positive_int, default=d.replicas,
