@@ -24,7 +24,9 @@ STEPS = 3
 
 OPTIMIZERS = {
     "SGD": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+    "SGD_for_loop_maximize": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.5, foreach=False, maximize=True),
     "Adam": lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True),
+    "Adam_fused": lambda p: torch.optim.Adam(p, lr=0.01, fused=True),
     "AdamW": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
     "Adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
     "Adadelta": lambda p: torch.optim.Adadelta(p, lr=1.0),
