@@ -101,7 +101,8 @@ def _loss_buffer(loss: Any) -> torch.Tensor | None:
     if isinstance(loss, torch.Tensor):
         if loss.numel() != 1 or loss.is_sparse:
             return None
-        return loss.detach().reshape(1).to("cpu", torch.float64)
+        # A copy: the engine reduces this buffer in place, and the caller's loss stays as it was.
+        return loss.detach().reshape(1).to("cpu", torch.float64, copy=True)
     if isinstance(loss, numbers.Real) and not isinstance(loss, bool):
         return torch.tensor([float(loss)], dtype=torch.float64)
     return None

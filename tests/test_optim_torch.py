@@ -416,3 +416,29 @@ def test_a_deep_copy_may_be_stepped_by_another_replica():
         s.run(lambda o: o.step(), args=(cr.PerReplica(opts[::-1]),))
     copies = [copy.deepcopy(o) for o in opts]  # a copy forgets its replica, as it forgets hooks
     s.run(lambda o: o.step(), args=(cr.PerReplica(copies[::-1]),))
+
+
+def _closure_loss_kept(model, x):
+    opt = CrossShardOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    kept = []
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).sum().double()  # float64 on the CPU: the dtype and device of the reduction
+        loss.backward()
+        kept.append(loss)
+        return loss
+
+    reduced = opt.step(closure)
+    return kept[0].item(), reduced.item()
+
+
+def test_the_closure_loss_itself_is_not_overwritten(run_replicas):
+    n = 2
+    net = nn.Linear(3, 1)
+    xs = [torch.full((1, 3), float(r + 1)) for r in range(n)]
+    results = run_replicas(_closure_loss_kept, n, [copy.deepcopy(net) for _ in range(n)], xs)
+    own = [net(x).sum().item() for x in xs]
+    for r, (kept, reduced) in enumerate(results):
+        assert kept == pytest.approx(own[r])  # this replica's loss, as the closure returned it
+        assert reduced == pytest.approx(sum(own) / n)
