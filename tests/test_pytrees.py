@@ -239,3 +239,19 @@ def test_classes_and_unregistered_objects_stay_leaves():
 
     leaves, _ = nest.flatten([Pair, Opaque(), "s", 3])
     assert len(leaves) == 4 and leaves[0] is Pair
+
+
+@dataclasses.dataclass(slots=True)
+class Slotted:
+    x: torch.Tensor
+    derived: int = dataclasses.field(init=False)  # never set: not a child
+
+
+def test_slotted_dataclass_and_unset_fields():
+    nests = [Slotted(torch.tensor([1.0])), Slotted(torch.tensor([2.0]))]
+    keys, items = nest.children(nests[0])
+    assert [k.name for k in keys] == ["x"] and items[0] is nests[0].x
+    grouped = cr.regroup(nests)
+    assert type(grouped) is Slotted and isinstance(grouped.x, cr.PerReplica)
+    assert cr.select_replica(1, grouped).x is nests[1].x
+    assert nest.path_str(("a", pytree.GetAttrKey("x"), 0)) == "['a'].x[0]"
