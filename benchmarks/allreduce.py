@@ -13,6 +13,10 @@ Ratios: speed-up over naive (naive / ours) and fraction of the bound
 
     .venv/bin/python benchmarks/allreduce.py            # full table
     .venv/bin/python benchmarks/allreduce.py --quick    # fewer sizes and trials
+
+It also draws docs/img/allreduce.png (--plot PATH, --no-plot): time vs size
+per replica count against the naive baseline and the traffic bound, and the
+latency at the smallest size vs replicas.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import crossreplica as cr  # noqa: E402
 from _common import fmt_size, fmt_time, median, print_table, timeit  # noqa: E402
+from _plot import SMOKE_NOTE, add_plot_arguments, plot_allreduce
+
+import crossreplica as cr  # noqa: E402
 
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
@@ -57,12 +63,14 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=None, help="bytes per replica")
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--quick", action="store_true")
+    add_plot_arguments(parser, "allreduce")
     args = parser.parse_args()
     sizes = args.sizes or (SIZES[::2] if args.quick else SIZES)
     trials = 3 if args.quick else args.trials
     torch.set_num_threads(1)  # the replicas are the parallelism; the naive baseline is one thread
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, {trials} interleaved trials, medians\n")
     rows = []
+    points = []
     for n in args.replicas:
         strategy = cr.MirroredStrategy(n)
         for nbytes in sizes:
@@ -75,11 +83,14 @@ def main() -> None:
                 copy.append(copy_time(nbytes, reps))
             t_ours, t_naive = median(ours), median(naive)
             t_bound = n * median(copy)
+            points.append({"replicas": n, "bytes": nbytes, "ours": t_ours, "naive": t_naive, "bound": t_bound})
             rows.append([str(n), fmt_size(nbytes), fmt_time(t_ours), fmt_time(t_naive), fmt_time(t_bound),
                          f"{t_naive / t_ours:.2f}x", f"{100 * t_bound / t_ours:.0f}%"])
             print(" | ".join(rows[-1]), flush=True)
     print()
     print_table(["replicas", "size", "ours", "naive stack+sum", "traffic bound", "speed-up", "of bound"], rows)
+    if not args.no_plot:
+        plot_allreduce(points, args.plot, SMOKE_NOTE if args.quick else None)
 
 
 if __name__ == "__main__":

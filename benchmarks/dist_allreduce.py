@@ -17,7 +17,8 @@ alternate the two paths in the same run, on the same process group:
 
 It prints the median seconds per call on rank 0 and the ratio engine/raw; for
 the hierarchical layout (2x2) it compares with the flat layout of the same
-replica count (4x1). Results of a run are written as JSON with --json.
+replica count (4x1). Results of a run are written as JSON with --json, and
+drawn in docs/img/dist_allreduce.png (--plot PATH, --no-plot).
 """
 
 from __future__ import annotations
@@ -146,12 +147,18 @@ def main() -> None:
     p.add_argument("--layouts", default="2x1,4x1,2x2")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json")
+    p.add_argument("--quick", action="store_true", help="sizes 4K,64K,1M only (a smoke run)")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _plot import add_plot_arguments
+    add_plot_arguments(p, "dist_allreduce")
     p.add_argument("--unordered", action="store_true",
                    help="ordered_reductions=False: the backend's ring all-reduce for groups of 3+")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rpw", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.quick:
+        a.sizes = "4K,64K,1M"
     sizes = [parse_size(s) for s in a.sizes.split(",")]
     if a.worker:
         worker(sizes, a.rpw, a.out, not a.unordered)
@@ -181,6 +188,9 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(all_results, f, indent=1)
+    if not a.no_plot:
+        from _plot import SMOKE_NOTE, plot_dist_allreduce
+        plot_dist_allreduce(all_results, a.plot, SMOKE_NOTE if a.quick else None)
 
 
 if __name__ == "__main__":

@@ -18,15 +18,23 @@ All variants run interleaved in the same process; the table gives the median
 time per step over rounds and the ratio against the per-tensor baseline.
 
     PYTHONPATH=. python benchmarks/optimizer_step.py [--replicas 4] [--params 200] [--rounds 15]
+    PYTHONPATH=. python benchmarks/optimizer_step.py --quick   # a smoke run: 3 rounds x 3 steps
+
+It also draws docs/img/optimizer_step.png (--plot PATH, --no-plot).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _plot import SMOKE_NOTE, add_plot_arguments, plot_optimizer_step
 
 import crossreplica as cr
 
@@ -37,7 +45,11 @@ def main() -> None:
     ap.add_argument("--params", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=20, help="steps per round and variant")
+    ap.add_argument("--quick", action="store_true", help="3 rounds x 3 steps (checks the script, measures little)")
+    add_plot_arguments(ap, "optimizer_step")
     args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.steps = 3, 3
     torch.set_num_threads(1)
     n = args.replicas
     s = cr.MirroredStrategy(n, devices=["cpu"] * n)
@@ -106,6 +118,9 @@ def main() -> None:
         base = statistics.median(times[names[i - i % 2]])
         med = statistics.median(times[name])
         print(f"| {name:<46} | {med * 1e3:>10.3f} | {min(times[name]) * 1e3:>8.3f} | {base / med:>19.1f}x |")
+    if not args.no_plot:
+        plot_optimizer_step(times, args.plot, f"CrossShardOptimizer: {args.params} gradients "
+                            f"({total / 1024:.0f} KiB), {n} in-process replicas", SMOKE_NOTE if args.quick else None)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,10 @@ load (one descheduled thread stalls every parallel region), so the ratio of
 the minima is printed too: it is the better estimate for a quiet machine.
 
     PYTHONPATH=. python benchmarks/training_step.py [--rounds 15] [--steps 5]
+    PYTHONPATH=. python benchmarks/training_step.py --quick   # a smoke run: 2 rounds x 1 step
+
+It also draws docs/img/training_step.png (--plot PATH, --no-plot): step time
+relative to one process, and the demo model's step time vs replicas.
 """
 
 from __future__ import annotations
@@ -27,12 +31,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from typing import Callable
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _plot import SMOKE_NOTE, add_plot_arguments, plot_training_step
 
 import crossreplica as cr
 from crossreplica import demo
@@ -111,7 +119,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=5, help="steps per round and variant (part 1)")
     ap.add_argument("--demo-steps", type=int, default=20, help="steps per round and variant (part 2)")
+    ap.add_argument("--quick", action="store_true", help="2 rounds x 1 step (checks the script, measures little)")
+    add_plot_arguments(ap, "training_step")
     args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.steps, args.demo_steps = 2, 1, 1
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -129,8 +141,10 @@ def main() -> None:
         base_name: plain_runner(mlp([784, 1024, 1024, 10]), x, y, 2, args.steps),
         "MirroredStrategy, 2 replicas x 1 intra-op thread": strat_run,
     }
+    mlp_times = measure(variants, args.rounds, args.steps)
+    mlp_base = base_name
     table(f"MLP 784-1024-1024-10, global batch 256, SGD; {args.rounds} rounds x {args.steps} steps, interleaved",
-          measure(variants, args.rounds, args.steps), base_name)
+          mlp_times, base_name)
 
     # ---- part 2: the demo model
     x_train, y_train, _, _ = demo.load_digits(0)
@@ -138,15 +152,21 @@ def main() -> None:
     net = demo.make_model()
     base_name = f"plain torch, one device, {cores} intra-op threads (baseline)"
     variants = {base_name: plain_runner(demo.make_model(), xb, yb, cores, args.demo_steps)}
+    replicas_of = {}
     for n in (1, 2, 4):
         threads = max(1, cores // n)
         run, _ = strategy_runner(demo.make_model(), xb, yb, n, threads, args.demo_steps)
         kind = "OneDeviceStrategy" if n == 1 else "MirroredStrategy"
         variants[f"{kind}, {n} replica(s) x {threads} intra-op thread(s)"] = run
+        replicas_of[f"{kind}, {n} replica(s) x {threads} intra-op thread(s)"] = n
     del net
+    demo_times = measure(variants, args.rounds, args.demo_steps)
     table(f"demo model (digits MLP 64-128-128-10), global batch 64, SGD; {args.rounds} rounds x "
-          f"{args.demo_steps} steps, interleaved", measure(variants, args.rounds, args.demo_steps), base_name)
+          f"{args.demo_steps} steps, interleaved", demo_times, base_name)
     torch.set_num_threads(saved)
+    if not args.no_plot:
+        plot_training_step(mlp_times, mlp_base, demo_times, base_name, replicas_of, args.plot,
+                           SMOKE_NOTE if args.quick else None)
 
 
 if __name__ == "__main__":

@@ -29,18 +29,38 @@ def _positive_float(text: str) -> float:
     return v
 
 
+_TRAIN_EPILOG = """\
+multi-process training (--strategy multi_worker) is launched by torchrun:
+
+  one host, 4 processes:
+    torchrun --standalone --nproc-per-node=4 -m crossreplica.cli train --strategy multi_worker
+
+  several hosts (the same command on every host; HOST_A:29400 is reachable from all):
+    torchrun --nnodes=2 --nproc-per-node=1 \\
+        --rdzv-backend=c10d --rdzv-endpoint=HOST_A:29400 --rdzv-id=my-job \\
+        -m crossreplica.cli train --strategy multi_worker
+
+  each process runs --replicas-per-worker in-process replicas, all in sync; see
+  docs/multi_process.md.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .demo import STRATEGIES, TrainConfig
     d = TrainConfig()
+    from . import __version__
     parser = argparse.ArgumentParser(
         prog="crossreplica", description="tf.distribute-style synchronous data-parallel training for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     train = sub.add_parser(
         "train", help="train an MLP on scikit-learn's digits on in-process replicas",
-        description="Trains an MLP classifier on scikit-learn's bundled digits data with a "
-                    "distribution strategy, then trains it again on one device with plain torch "
-                    "and reports the largest parameter difference.")
+        # Raw text (the epilog's commands keep their line breaks), so wrapped by hand.
+        description="Trains an MLP classifier on scikit-learn's bundled digits data with a\n"
+                    "distribution strategy, then trains it again on one device with plain torch\n"
+                    "and reports the largest parameter difference.",
+        epilog=_TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("--replicas", type=_positive_int, default=d.replicas,
                        help=f"in-process replicas for --strategy mirrored (default {d.replicas})")
     train.add_argument("--replicas-per-worker", type=_positive_int, default=d.replicas_per_worker,
@@ -53,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"global batch size, split over the replicas (default {d.batch_size})")
     train.add_argument("--lr", type=_positive_float, default=d.lr, help=f"SGD learning rate (default {d.lr})")
     train.add_argument("--seed", type=int, default=d.seed, help=f"data split, shuffling and init (default {d.seed})")
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--no-progress", action="store_true",
+                       help="no progress bar (when stderr is not a terminal there is none anyway: "
+                            "one line per epoch)")
     train.add_argument("--no-compare", action="store_true", help="skip the one-device comparison run")
     return parser
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -114,7 +115,7 @@ def make_strategy(config: TrainConfig) -> Strategy:
 def load_digits(seed: int = 0, test_fraction: float = 0.2) -> tuple[torch.Tensor, ...]:
     """``(x_train, y_train, x_test, y_test)``: features scaled to [0, 1], a seeded split."""
     try:
-        from sklearn.datasets import load_digits as sk_load_digits
+        from sklearn.datasets import load_digits as sk_load_digits  # type: ignore[import-untyped]
     except ImportError:
         raise ImportError("the demo needs scikit-learn: pip install 'crossreplica[examples]'") from None
     data = sk_load_digits()
@@ -259,11 +260,23 @@ def train_reference(config: TrainConfig, model: nn.Module, x: torch.Tensor, y: t
 
 
 def _progress(config: TrainConfig) -> Callable[[Any, int, int], Any]:
-    if not config.progress:
+    """A tqdm bar per epoch on a terminal; elsewhere (CI logs, files, pipes) no bar.
+
+    A bar redraws itself with carriage returns, which a log file keeps as residue;
+    without one the per-epoch line of :func:`train` is the progress report.
+    """
+    if not config.progress or not _is_terminal(sys.stderr):
         return lambda it, epoch, total: it
     try:
-        from tqdm import tqdm
+        from tqdm import tqdm  # type: ignore[import-untyped]
     except ImportError:
         return lambda it, epoch, total: it
     return lambda it, epoch, total: tqdm(it, total=total, desc=f"epoch {epoch}/{config.epochs}",
                                          leave=False, unit="step", dynamic_ncols=True)
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False

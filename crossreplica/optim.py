@@ -14,6 +14,24 @@ reduction is bitwise identical to reducing every gradient on its own.
 Sparse gradients (``nn.Embedding(sparse=True)``) are reduced by gathering
 every replica's indices and values and coalescing.
 
+With a closure (``step(closure)``, required by LBFGS), the closure is handed
+to the wrapped optimizer wrapped so that every evaluation reduces the
+gradients it computed, and the loss it returned, before the optimizer sees
+them: the wrapped optimizer only ever sees global (reduced) values, so its
+control flow (LBFGS's line search and stopping tests) is the same on every
+replica and every replica evaluates the closure the same number of times.
+
+Everything else is torch's: hooks registered on the wrapper
+(``register_step_pre_hook``, ``register_state_dict_pre_hook``, ...) fire with
+the wrapper as the optimizer, LR schedulers (ReduceLROnPlateau included)
+drive it, and pickling or deep-copying keeps what torch's own optimizers keep
+(the wrapped optimizer and the wrapper's settings; not hooks, caches, or a
+scheduler's patch of ``step``). Global step hooks
+(``torch.optim.optimizer.register_optimizer_step_pre_hook``) see two steps,
+the wrapper's and the wrapped optimizer's, as with any optimizer that steps
+another (torch's ZeroRedundancyOptimizer does the same); hooks registered on
+either optimizer fire once.
+
 In a group of one replica (OneDeviceStrategy) the reduction is the identity
 and no engine call is made, so training is bitwise that of plain torch.
 
@@ -31,7 +49,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
@@ -76,6 +94,25 @@ def _canonical_weight(weight: Any) -> float:
     return float(weight)
 
 
+def _loss_buffer(loss: Any) -> torch.Tensor | None:
+    """The closure's loss as a float64 buffer for the reduction, or None if it is no number."""
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1 or loss.is_sparse:
+            return None
+        # A copy: the engine reduces this buffer in place, and the caller's loss stays as it was.
+        return loss.detach().reshape(1).to("cpu", torch.float64, copy=True)
+    if isinstance(loss, numbers.Real) and not isinstance(loss, bool):
+        return torch.tensor([float(loss)], dtype=torch.float64)
+    return None
+
+
+def _reduced_loss(loss: Any, reduced: torch.Tensor) -> Any:
+    """The reduced value in the form the closure returned: a tensor (detached) or a float."""
+    if isinstance(loss, torch.Tensor):
+        return reduced.to(loss.device, loss.dtype).reshape(loss.shape)
+    return float(reduced.item())
+
+
 class CrossShardOptimizer(torch.optim.Optimizer):
     """An optimizer that reduces gradients across replicas, then steps ``optimizer``.
 
@@ -111,20 +148,12 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         self._group_assignment = group_assignment
         self._bytes_per_pack = bytes_per_pack
         self._groups_cache: tuple[int, Groups] | None = None
-        if group_assignment is not None and has_strategy():
-            self._groups(get_strategy().num_replicas_in_sync)  # a bad assignment fails here, not at step
         self._pack_cache: tuple[tuple, PackedBuffers] | None = None
         self._synchronized = False
         self._owner: tuple[int, int] | None = None
-        # The hook tables torch.optim.Optimizer.__init__ would create; the
-        # parameters themselves stay with the wrapped optimizer.
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self._patch_step_function()
+        self._reset_runtime_state()
+        if group_assignment is not None and has_strategy():
+            self._groups(get_strategy().num_replicas_in_sync)  # a bad assignment fails here, not at step
 
     # ------------------------------------------------------------ delegation
 
@@ -166,12 +195,26 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         self._optimizer.defaults = value
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state dict."""
-        return self._optimizer.state_dict()
+        """The wrapped optimizer's state dict (the wrapper's state-dict hooks run around it)."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = self._optimizer.state_dict()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads into the wrapped optimizer."""
+        """Loads into the wrapped optimizer (the wrapper's load hooks run around it)."""
+        state_dict = state_dict.copy()  # as torch does: a pre hook may edit its copy
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         self._optimizer.load_state_dict(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a parameter group to the wrapped optimizer."""
@@ -182,11 +225,32 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._optimizer.zero_grad(set_to_none=set_to_none)
 
+    # What a copy keeps, as torch's optimizers keep only defaults/state/param_groups:
+    # hooks (often local functions), caches, the owning replica and an LR scheduler's
+    # instance patch of ``step`` stay behind.
+    _PICKLED = ("_optimizer", "_reduction", "_group_assignment", "_bytes_per_pack")
+
     def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {k: self.__dict__[k] for k in self._PICKLED}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._reset_runtime_state()
+
+    def _reset_runtime_state(self) -> None:
+        self._groups_cache = None
+        self._pack_cache = None
+        self._synchronized = False
+        self._owner = None
+        # The hook tables torch.optim.Optimizer.__init__ would create; the
+        # parameters themselves stay with the wrapped optimizer.
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
 
     def __repr__(self) -> str:
         return (f"CrossShardOptimizer({self._optimizer!r}, reduction={self._reduction}, "
@@ -199,24 +263,38 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         did) and steps the wrapped optimizer.
 
         Args:
-            closure: re-evaluates the model and returns the loss (run before the
-                reduction, with gradients enabled).
+            closure: re-evaluates the model on this replica's batch, calls
+                ``backward`` and returns the loss. It is passed on to the wrapped
+                optimizer, which may call it several times (LBFGS); after every
+                call the gradients and the returned loss are reduced over the
+                group, so the wrapped optimizer (and the caller) get the global
+                loss.
             weight: this replica's weight in the mean, usually its row count;
                 see the module docstring. Only with ``reduction="mean"``.
+
+        Returns:
+            What the wrapped optimizer's ``step`` returns: with a closure, the
+            reduced loss.
 
         Raises:
             cr.ReplicaContextError: called outside a replica function.
         """
         require_replica_context("CrossShardOptimizer.step")
-        loss = None
         if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+            # The closure recomputes the gradients, so an earlier synchronize() is moot.
+            self._synchronized = False
+            return self._optimizer.step(self._reducing_closure(closure, weight))
         if not self._synchronized:
             self._reduce_gradients(weight)
         self._synchronized = False
-        self._optimizer.step()
-        return loss
+        return self._optimizer.step()
+
+    def _reducing_closure(self, closure: Callable[[], Any], weight: Any) -> Callable[[], Any]:
+        def reduced() -> Any:
+            with torch.enable_grad():
+                loss = closure()
+            return self._reduce_gradients(weight, loss=loss)
+        return reduced
 
     def synchronize(self, *, weight: Any = None) -> None:
         """Reduces the gradients in place without stepping (clip them after this).
@@ -276,7 +354,11 @@ class CrossShardOptimizer(torch.optim.Optimizer):
                 f"opts = strategy.run(lambda m: cr.CrossShardOptimizer(torch.optim.SGD(m.parameters(), "
                 f"lr=0.1)), args=(strategy.mirror(model),))")
 
-    def _reduce_gradients(self, weight: Any) -> None:
+    def _reduce_gradients(self, weight: Any, loss: Any = None) -> Any:
+        """Reduces the gradients in place; returns ``loss`` reduced the same way.
+
+        A loss that is not a one-element tensor or a real number is returned as is.
+        """
         rctx = require_replica_context("CrossShardOptimizer.step")
         self._check_owner(rctx)
         rid = rctx.replica_id_in_sync_group
@@ -296,18 +378,21 @@ class CrossShardOptimizer(torch.optim.Optimizer):
                 raise ValueError(
                     f"the weights of the replicas in this group sum to {w}; at least one replica must "
                     f"pass weight > 0 (its row count)")
-            return
+            return loss
         grads, sparse, key = self._collect()
-        if not grads and not sparse:
-            return
+        loss_buffer = _loss_buffer(loss)
+        if not grads and not sparse and loss_buffer is None:
+            return loss
         total_weight = None
-        if grads or weighted:
-            packed = self._packed(grads, key)
-            buffers = packed.pack(grads)
+        if grads or weighted or loss_buffer is not None:
+            packed = self._packed(grads, key) if grads else None
+            buffers = packed.pack(grads) if packed is not None else []
+            if loss_buffer is not None:
+                buffers.append(loss_buffer)
             if weighted:
                 # 0 * nan is nan: a replica without rows contributes exact zeros.
                 for i, buf in enumerate(buffers):
-                    own = packed.buffers[i] is not None
+                    own = packed is not None and i < len(packed.buffers) and packed.buffers[i] is not None
                     if w > 0:
                         buffers[i] = buf.mul_(w) if own else buf * w
                     else:
@@ -327,18 +412,25 @@ class CrossShardOptimizer(torch.optim.Optimizer):
                         f"replica must pass weight > 0 (its row count)")
                 for out in outs:
                     out.div_(total_weight)
-            packed.unpack_(outs, grads)
+            if loss_buffer is not None:
+                loss = _reduced_loss(loss, outs[-1])
+                outs = outs[:-1]
+            if packed is not None:
+                packed.unpack_(outs, grads)
         if sparse:
             self._reduce_sparse(rctx, groups, sparse, w if weighted else None,
                                 total_weight if weighted else
                                 (group_size if self._reduction is ReduceOp.MEAN else None))
+        return loss
 
     def _reduce_sparse(self, rctx: Any, groups: Groups, params: list[torch.Tensor], w: float | None,
                        divisor: float | None) -> None:
         from .collectives import all_gather
         leaves = []
+        shapes = []
         for p in params:
-            g = p.grad
+            g = cast(torch.Tensor, p.grad)  # _collect chose params whose grad is sparse
+            shapes.append(g.shape)
             values = g._values()
             if w is not None:
                 values = values * w if w > 0 else torch.zeros_like(values)
@@ -349,5 +441,5 @@ class CrossShardOptimizer(torch.optim.Optimizer):
             indices, values = gathered[2 * i].t(), gathered[2 * i + 1]
             if divisor is not None:
                 values = values / divisor
-            p.grad = torch.sparse_coo_tensor(indices, values, p.grad.shape,
+            p.grad = torch.sparse_coo_tensor(indices, values, shapes[i],
                                              check_invariants=False).coalesce()

@@ -4,7 +4,10 @@
 ``select_replica`` is its inverse for one replica. Both follow tf.distribute:
 leaves that are the same object on every replica stay unwrapped, containers
 keep their class, and with a single replica regroup is the identity unless
-``always_wrap``.
+``always_wrap``. What a container is, is :mod:`crossreplica.nest`'s call
+(builtins, types registered with torch's pytree, dataclasses); a pytree or
+dataclass object that is the same object on every replica is kept as it is,
+like a shared leaf.
 """
 
 from __future__ import annotations
@@ -78,26 +81,21 @@ def regroup(values: Sequence[Any], wrap_class: type[DistributedValues] = PerRepl
 
 def _regroup(values: tuple, wrap_class: type, always_wrap: bool, path: tuple) -> Any:
     v0 = values[0]
-    if nest.is_container(v0):
-        kind = abc.Mapping if isinstance(v0, abc.Mapping) else (tuple if isinstance(v0, tuple) else list)
-        keys, _ = nest.children(v0)
+    k = nest.kind(v0)
+    if k is not None and k in (nest.PYTREE, nest.DATACLASS) and not always_wrap and all(
+            v is v0 for v in values[1:]):
+        return v0  # a user object shared by every replica, like a shared leaf
+    if k is not None:
         for r, v in enumerate(values[1:], start=1):
-            # namedtuples are records: a different class is a different structure
-            if not isinstance(v, kind) or (kind is tuple and type(v) is not type(v0) and (
-                    nest.is_namedtuple(v0) or nest.is_namedtuple(v))):
-                raise ValueError(
-                    f"regroup: replicas disagree in structure at {nest.path_str(path)}: replica 0 has "
-                    f"{type(v0).__name__}, replica {r} has {type(v).__name__}")
-            vkeys, _ = nest.children(v)
-            same = set(vkeys) == set(keys) if kind is abc.Mapping else len(vkeys) == len(keys)
-            if not same:
-                what = (f"keys {sorted(map(repr, keys))} vs {sorted(map(repr, vkeys))}"
-                        if kind is abc.Mapping else f"length {len(keys)} vs {len(vkeys)}")
-                raise ValueError(
-                    f"regroup: replicas disagree in structure at {nest.path_str(path)}: replica 0 and "
-                    f"replica {r} have {what}")
-        items = (_regroup(tuple(v[k] for v in values), wrap_class, always_wrap, path + (k,))
-                 for k in keys)
+            why = nest.node_mismatch(v0, v)
+            if why is not None:
+                who = (f"replica 0 has {type(v0).__name__}, replica {r} {why}" if why.startswith("has ")
+                       else f"replica 0 and replica {r} have {why}")
+                raise ValueError(f"regroup: replicas disagree in structure at {nest.path_str(path)}: {who}")
+        keys, _ = nest.children(v0)
+        columns = zip(*(nest.children_like(v0, v) for v in values))
+        items = (_regroup(tuple(column), wrap_class, always_wrap, path + (k,))
+                 for k, column in zip(keys, columns))
         return nest.rebuild(v0, keys, items)
     if not always_wrap and all(v is v0 for v in values[1:]):
         return v0
