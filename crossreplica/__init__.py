@@ -23,8 +23,8 @@ from .cross_device_ops import (AllReduceCrossDeviceOps, CommunicationOptions, Cr
 from .data import InputContext
 from .optim import CrossShardOptimizer
 from . import nn
+from .version import __version__
 
-__version__ = "0.1.0"
 
 __all__ = [
     "errors",

@@ -6,6 +6,9 @@ import argparse
 import sys
 from typing import Sequence
 
+from .demo import STRATEGIES, TrainConfig, train
+from .version import __version__
+
 __all__ = ["main", "build_parser"]
 
 
@@ -46,9 +49,7 @@ multi-process training (--strategy multi_worker) is launched by torchrun:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .demo import STRATEGIES, TrainConfig
     d = TrainConfig()
-    from . import __version__
     parser = argparse.ArgumentParser(
         prog="crossreplica", description="tf.distribute-style synchronous data-parallel training for PyTorch.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -81,7 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .demo import TrainConfig, train
     config = TrainConfig(replicas=args.replicas, strategy=args.strategy, epochs=args.epochs,
                          batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                          progress=not args.no_progress, compare=not args.no_compare,

@@ -53,6 +53,7 @@ from typing import Any, Callable, cast
 
 import torch
 
+from .collectives import all_gather
 from .context import get_strategy, has_strategy, require_replica_context
 from .engines.base import INPLACE, Call, Kind
 from .groups import Groups, group_of, resolve_groups
@@ -425,7 +426,6 @@ class CrossShardOptimizer(torch.optim.Optimizer):
 
     def _reduce_sparse(self, rctx: Any, groups: Groups, params: list[torch.Tensor], w: float | None,
                        divisor: float | None) -> None:
-        from .collectives import all_gather
         leaves = []
         shapes = []
         for p in params:
