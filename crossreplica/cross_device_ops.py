@@ -28,6 +28,7 @@ import torch
 
 from . import context
 from .packing import flatten_pack, plan_packs
+from .timeouts import canonical_timeout
 from .reduce_op import ReduceOp, check_dtype, reduce_non_distributed_value
 from .values import DistributedValues, Mirrored
 
@@ -59,10 +60,8 @@ class CommunicationOptions:
     def __init__(self, bytes_per_pack: int = 0, timeout_seconds: float | None = None):
         if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int) or bytes_per_pack < 0:
             raise ValueError(f"bytes_per_pack must be a non-negative int (0: automatic); got {bytes_per_pack!r}")
-        if timeout_seconds is not None and (isinstance(timeout_seconds, bool)
-                                            or not isinstance(timeout_seconds, numbers.Real)
-                                            or not timeout_seconds > 0):
-            raise ValueError(f"timeout_seconds must be a positive number or None; got {timeout_seconds!r}")
+        if timeout_seconds is not None:
+            timeout_seconds = canonical_timeout(timeout_seconds, "timeout_seconds")
         self.bytes_per_pack = bytes_per_pack
         self.timeout_seconds = timeout_seconds
 

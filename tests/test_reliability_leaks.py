@@ -54,7 +54,7 @@ def test_failed_run_frees_strategy_threads_and_tensors(baseline):
         assert _settle(lambda: all(r() is None for r in tensors)), "tensors of the failed run are alive"
         assert info.value.replica_id == 1
         del info, strategy
-        assert _settle(lambda: ref() is None), "the failed strategy was never freed"
+        assert _settle(lambda ref=ref: ref() is None), "the failed strategy was never freed"
     assert _settle(lambda: _replica_threads() == baseline), threading.enumerate()
 
 

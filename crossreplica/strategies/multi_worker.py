@@ -28,6 +28,7 @@ from ..engines.base import Call
 from ..engines.torch_dist import TorchDistEngine
 from ..groups import Groups
 from ..reduce_op import ReduceOp
+from ..timeouts import canonical_timeout
 from .base import Strategy, StrategyExtended
 from .devices import canonical_device
 
@@ -186,10 +187,8 @@ class MultiWorkerMirroredStrategy(Strategy):
             raise ValueError(f"replicas_per_worker must be a positive int; got {replicas_per_worker!r}")
         if backend is not None and backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {list(_BACKENDS)} or None (automatic); got {backend!r}")
-        timeout = DEFAULT_TIMEOUT if timeout_seconds is None else timeout_seconds
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout_seconds must be a positive number; got {timeout_seconds!r}")
-        timeout = float(timeout)
+        timeout = (canonical_timeout(DEFAULT_TIMEOUT, "CROSSREPLICA_TIMEOUT") if timeout_seconds is None
+                   else canonical_timeout(timeout_seconds, "timeout_seconds"))
         if check_collectives is None:
             check_collectives = _truthy(os.environ.get("CROSSREPLICA_CHECK_COLLECTIVES"))
         local_rank = _env_int("LOCAL_RANK", 0) or 0
