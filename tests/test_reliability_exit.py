@@ -17,7 +17,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-CHILDREN = 20
+CHILDREN = 40
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the stress script forks")
