@@ -350,7 +350,7 @@ def collective_permute(x: Any, source_target_pairs: Sequence[Sequence[int]]) -> 
 
 def _replica_index(v: Any) -> int:
     if isinstance(v, bool):  # operator.index accepts bools; a replica id is never one
-        raise TypeError(f"a replica id must be an int, not a bool: {v!r}")
+        raise TypeError(f"a replica id must be an int, not a bool: {summarize(v)}")
     return operator.index(v)
 
 

@@ -31,6 +31,7 @@ from .packing import flatten_pack, plan_packs
 from .timeouts import canonical_timeout
 from .reduce_op import ReduceOp, check_dtype, reduce_non_distributed_value
 from .values import DistributedValues, Mirrored
+from .errors import summarize
 
 __all__ = [
     "CommunicationOptions",
@@ -59,7 +60,7 @@ class CommunicationOptions:
 
     def __init__(self, bytes_per_pack: int = 0, timeout_seconds: float | None = None):
         if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int) or bytes_per_pack < 0:
-            raise ValueError(f"bytes_per_pack must be a non-negative int (0: automatic); got {bytes_per_pack!r}")
+            raise ValueError(f"bytes_per_pack must be a non-negative int (0: automatic); got {summarize(bytes_per_pack)}")
         if timeout_seconds is not None:
             timeout_seconds = canonical_timeout(timeout_seconds, "timeout_seconds")
         self.bytes_per_pack = bytes_per_pack
@@ -115,7 +116,7 @@ def get_devices_from(destinations: Any, argname: str = "destinations") -> tuple[
     d = _device_of(destinations)
     if d is not None:
         return (d,)
-    raise ValueError(f"{argname} must be {_DEST_HELP}; got {type(destinations).__name__}: {destinations!r}")
+    raise ValueError(f"{argname} must be {_DEST_HELP}; got {type(destinations).__name__}: {summarize(destinations)}")
 
 
 def _as_tensor(x: Any, argname: str) -> torch.Tensor:
@@ -123,7 +124,7 @@ def _as_tensor(x: Any, argname: str) -> torch.Tensor:
         return x
     if isinstance(x, (numbers.Number, bool)):
         return torch.as_tensor(x)
-    raise ValueError(f"{argname} must hold tensors (or Python numbers); got {type(x).__name__}: {x!r}")
+    raise ValueError(f"{argname} must hold tensors (or Python numbers); got {type(x).__name__}: {summarize(x)}")
 
 
 def _copies(t: torch.Tensor, devices: Sequence[torch.device], fresh: bool = True) -> Mirrored:
@@ -146,7 +147,7 @@ def _check_options(options: Any) -> "CommunicationOptions":
     if options is None:
         return CommunicationOptions()
     if not isinstance(options, CommunicationOptions):
-        raise ValueError(f"options must be a cr.CommunicationOptions or None; got {options!r}")
+        raise ValueError(f"options must be a cr.CommunicationOptions or None; got {summarize(options)}")
     return options
 
 
@@ -200,12 +201,12 @@ class CrossDeviceOps:
                 not isinstance(value_destination_pairs, abc.Sequence):
             raise ValueError(
                 f"value_destination_pairs must be a list of (value, destinations) tuples; got "
-                f"{value_destination_pairs!r}")
+                f"{summarize(value_destination_pairs)}")
         pairs = []
         for i, pair in enumerate(value_destination_pairs):
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
                 raise ValueError(
-                    f"value_destination_pairs[{i}] must be a (value, destinations) tuple; got {pair!r}")
+                    f"value_destination_pairs[{i}] must be a (value, destinations) tuple; got {summarize(pair)}")
             value, dest = pair
             devices = get_devices_from(dest, f"value_destination_pairs[{i}][1]")
             pairs.append((value, devices))
@@ -289,7 +290,7 @@ class ReductionToOneDevice(CrossDeviceOps):
             from .strategies.devices import canonical_device
             reduce_to_device = canonical_device(reduce_to_device, "reduce_to_device")
         if accumulation_fn is not None and not callable(accumulation_fn):
-            raise ValueError(f"accumulation_fn must be callable or None; got {accumulation_fn!r}")
+            raise ValueError(f"accumulation_fn must be callable or None; got {summarize(accumulation_fn)}")
         self.reduce_to_device = reduce_to_device
         self.accumulation_fn = accumulation_fn
 
@@ -304,7 +305,7 @@ class ReductionToOneDevice(CrossDeviceOps):
             out = self.accumulation_fn(local)
             if not isinstance(out, torch.Tensor):
                 raise ValueError(
-                    f"accumulation_fn must return a tensor; it returned {type(out).__name__}: {out!r}")
+                    f"accumulation_fn must return a tensor; it returned {type(out).__name__}: {summarize(out)}")
             if reduce_op is ReduceOp.MEAN:
                 out = out / len(local)
         else:

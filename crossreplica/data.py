@@ -28,6 +28,7 @@ import torch
 
 from . import nest
 from .values import DistributedValues, PerReplica, regroup
+from .errors import summarize
 
 if TYPE_CHECKING:
     from .strategies.base import Strategy
@@ -52,7 +53,7 @@ class InputContext:
                              ("input_pipeline_id", input_pipeline_id, 0),
                              ("num_replicas_in_sync", num_replicas_in_sync, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ValueError(f"{name} must be an int >= {low}; got {v!r}")
+                raise ValueError(f"{name} must be an int >= {low}; got {summarize(v)}")
         if input_pipeline_id >= num_input_pipelines:
             raise ValueError(
                 f"input_pipeline_id must be in [0, num_input_pipelines={num_input_pipelines}); "
@@ -81,10 +82,10 @@ class InputContext:
         """
         if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) \
                 or global_batch_size < 0:
-            raise ValueError(f"global_batch_size must be a non-negative int; got {global_batch_size!r}")
+            raise ValueError(f"global_batch_size must be a non-negative int; got {summarize(global_batch_size)}")
         if global_batch_size % self._num_replicas_in_sync:
             raise ValueError(
-                f"The `global_batch_size` {global_batch_size!r} is not divisible by "
+                f"The `global_batch_size` {summarize(global_batch_size)} is not divisible by "
                 f"`num_replicas_in_sync` {self._num_replicas_in_sync!r}")
         return global_batch_size // self._num_replicas_in_sync
 
@@ -126,7 +127,7 @@ def split_batch(batch: Any, num_parts: int, keep: Iterable[int] | None = None,
         if isinstance(leaf, torch.Tensor):
             if leaf.dim() == 0:
                 raise ValueError(
-                    f"batch leaf {p} is a 0-d tensor ({leaf!r}); every tensor in a global batch needs a "
+                    f"batch leaf {p} is a 0-d tensor ({summarize(leaf)}); every tensor in a global batch needs a "
                     f"batch dimension 0 to split along")
             if rows is None:
                 rows = leaf.shape[0]
@@ -137,7 +138,7 @@ def split_batch(batch: Any, num_parts: int, keep: Iterable[int] | None = None,
     if rows is None:
         raise ValueError(
             f"a global batch must hold at least one tensor to split along dim 0; got "
-            f"{type(batch).__name__}: {batch!r}")
+            f"{type(batch).__name__}: {summarize(batch)}")
     sizes = split_sizes(rows, num_parts)
     starts = [sum(sizes[:i]) for i in range(num_parts)]
     keep = list(range(num_parts)) if keep is None else list(keep)
@@ -192,7 +193,7 @@ def distribute_dataset(strategy: "Strategy", iterable: Any) -> DistributedDatase
     if isinstance(iterable, (str, bytes)) or not hasattr(iterable, "__iter__"):
         raise ValueError(
             f"dataset must be an iterable of global batches (a DataLoader, a list of tensors or "
-            f"nests); got {type(iterable).__name__}: {iterable!r}")
+            f"nests); got {type(iterable).__name__}: {summarize(iterable)}")
     return DistributedDataset(strategy, iterable)
 
 
@@ -206,11 +207,11 @@ def distribute_datasets_from_function(strategy: "Strategy",
                                       dataset_fn: Callable[[InputContext], Any]) -> DistributedDataset:
     """The implementation of ``Strategy.distribute_datasets_from_function``."""
     if not callable(dataset_fn):
-        raise ValueError(f"dataset_fn must be callable as dataset_fn(input_context); got {dataset_fn!r}")
+        raise ValueError(f"dataset_fn must be callable as dataset_fn(input_context); got {summarize(dataset_fn)}")
     source = dataset_fn(input_context(strategy))
     if isinstance(source, (str, bytes)) or not hasattr(source, "__iter__"):
         raise ValueError(
             f"dataset_fn must return an iterable of batches for this input pipeline; it returned "
-            f"{type(source).__name__}: {source!r}")
+            f"{type(source).__name__}: {summarize(source)}")
     return DistributedDataset(strategy, source, from_function=True)
 

@@ -28,6 +28,7 @@ from torch import nn as tnn
 from .collectives import all_reduce
 from .context import get_replica_context
 from .groups import Groups, contiguous_groups, group_of, resolve_groups
+from .errors import summarize
 
 __all__ = ["SyncBatchNorm"]
 
@@ -50,15 +51,15 @@ class SyncBatchNorm(tnn.modules.batchnorm._BatchNorm):
                  affine: bool = True, track_running_stats: bool = True, group_assignment: Any = None,
                  num_shards_per_group: int | None = None, device: Any = None, dtype: Any = None):
         if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features <= 0:
-            raise ValueError(f"num_features must be a positive int (channels); got {num_features!r}")
+            raise ValueError(f"num_features must be a positive int (channels); got {summarize(num_features)}")
         if group_assignment is not None and num_shards_per_group is not None:
             raise ValueError(
                 f"pass either group_assignment or num_shards_per_group, not both; got "
-                f"group_assignment={group_assignment!r}, num_shards_per_group={num_shards_per_group!r}")
+                f"group_assignment={summarize(group_assignment)}, num_shards_per_group={summarize(num_shards_per_group)}")
         if num_shards_per_group is not None and (isinstance(num_shards_per_group, bool)
                                                  or not isinstance(num_shards_per_group, int)
                                                  or num_shards_per_group <= 0):
-            raise ValueError(f"num_shards_per_group must be a positive int or None; got {num_shards_per_group!r}")
+            raise ValueError(f"num_shards_per_group must be a positive int or None; got {summarize(num_shards_per_group)}")
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.group_assignment = group_assignment
         self.num_shards_per_group = num_shards_per_group

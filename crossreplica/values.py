@@ -13,6 +13,7 @@ from collections import abc
 from typing import Any, Sequence
 
 from . import nest
+from .errors import summarize
 
 __all__ = [
     "DistributedValues",
@@ -32,7 +33,7 @@ class DistributedValues:
     def __init__(self, values: Sequence[Any]):
         if isinstance(values, (str, bytes)) or not isinstance(values, abc.Sequence) or not values:
             raise ValueError(
-                f"values must be a non-empty sequence with one value per replica; got {values!r}")
+                f"values must be a non-empty sequence with one value per replica; got {summarize(values)}")
         self._values = tuple(values)
 
     @property
@@ -68,10 +69,10 @@ def regroup(values: Sequence[Any], wrap_class: type[DistributedValues] = PerRepl
     """
     if isinstance(values, (str, bytes)) or not isinstance(values, abc.Sequence) or len(values) == 0:
         raise ValueError(
-            f"values must be a non-empty sequence with one nest per replica; got {values!r}")
+            f"values must be a non-empty sequence with one nest per replica; got {summarize(values)}")
     if not (isinstance(wrap_class, type) and issubclass(wrap_class, DistributedValues)):
         raise ValueError(
-            f"wrap_class must be a subclass of cr.DistributedValues; got {wrap_class!r}")
+            f"wrap_class must be a subclass of cr.DistributedValues; got {summarize(wrap_class)}")
     return _regroup(tuple(values), wrap_class, always_wrap, ())
 
 
@@ -119,7 +120,7 @@ def select_replica_mirrored(replica_id: int, structured: Any) -> Any:
             if not isinstance(x, Mirrored):
                 raise TypeError(
                     f"select_replica_mirrored expects every distributed leaf to be cr.Mirrored; "
-                    f"got {type(x).__name__}: {x!r}")
+                    f"got {type(x).__name__}: {summarize(x)}")
             return _pick(x, replica_id)
         return x
     return nest.map_structure(get, structured)
@@ -130,5 +131,5 @@ def _pick(x: DistributedValues, replica_id: int) -> Any:
     if isinstance(replica_id, bool) or not isinstance(replica_id, int) or not 0 <= replica_id < n:
         raise ValueError(
             f"replica_id must be an int in [0, {n}) for {type(x).__name__} with {n} values; "
-            f"got {replica_id!r}")
+            f"got {summarize(replica_id)}")
     return x.values[replica_id]

@@ -103,3 +103,21 @@ def test_summarize_is_bounded():
             raise RuntimeError("no repr")
 
     assert summarize(Broken()).startswith("<Broken ")
+
+
+HUGE = list(range(10 ** 6))
+
+
+@pytest.mark.parametrize("call", [
+    lambda: cr.MirroredStrategy(num_replicas=HUGE),
+    lambda: cr.MirroredStrategy(2).run(lambda: None, args="x" * 10 ** 6),
+    lambda: cr.MirroredStrategy(2).reduce("sum", torch.ones(1), axis=HUGE),
+    lambda: cr.CommunicationOptions(bytes_per_pack=HUGE),
+    lambda: cr.ReduceOp.from_any("x" * 10 ** 6),
+    lambda: cr.CrossShardOptimizer(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1),
+                                   reduction="y" * 10 ** 6),
+], ids=["num_replicas", "run-args", "reduce-axis", "bytes_per_pack", "reduce_op", "optimizer-reduction"])
+def test_messages_that_print_user_values_stay_short(call):
+    with pytest.raises((TypeError, ValueError)) as info:
+        call()
+    assert len(str(info.value)) < 800, str(info.value)[:1000]

@@ -35,7 +35,7 @@ class MirroredStrategy(Strategy):
                  cross_device_ops: Any = None, *, timeout_seconds: float | None = None):
         if num_replicas is not None and (isinstance(num_replicas, bool) or not isinstance(num_replicas, int)
                                          or num_replicas < 1):
-            raise ValueError(f"num_replicas must be a positive int or None; got {num_replicas!r}")
+            raise ValueError(f"num_replicas must be a positive int or None; got {summarize(num_replicas)}")
         if devices is not None:
             if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence) or not devices:
                 raise ValueError(
