@@ -292,8 +292,14 @@ def _atomic_save(obj: Any, path: str) -> None:
 
 
 def _verify(path: str) -> None:
-    """Raises CheckpointError unless ``path`` is a complete, unmodified checkpoint."""
+    """Raises CheckpointError unless ``path`` is a complete, unmodified checkpoint.
+
+    A file in torch's legacy (non-zip, pre-1.6) format carries no checksum; it is
+    left to the safe loader, whose failures are CheckpointErrors too."""
     try:
+        with open(path, "rb") as f:
+            if f.read(1) == b"\x80":  # a bare pickle: torch's legacy format
+                return
         with zipfile.ZipFile(path) as zf:
             names = [i.filename for i in zf.infolist()]
             stored = next((n for n in names if n.endswith("/" + _DIGEST)), None)

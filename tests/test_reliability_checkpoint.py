@@ -180,10 +180,15 @@ def test_unsupported_value_gives_a_checkpoint_error_without_unsafe_advice(tmp_pa
     assert "weights_only=False" not in str(info.value) and str(path) in str(info.value)
 
 
-def test_load_of_a_plain_torch_file_still_works(tmp_path):
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_load_of_a_plain_torch_file_still_works(tmp_path, legacy):
     path = tmp_path / "plain.pt"
-    torch.save({"w": torch.ones(2)}, path)
+    torch.save({"w": torch.ones(2)}, path, _use_new_zipfile_serialization=not legacy)
     assert torch.equal(cr.load(path)["w"], torch.ones(2))
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+    with pytest.raises(CheckpointError, match=str(path)):
+        cr.load(path)
 
 
 def test_write_errors_name_the_path_not_the_temp_file(tmp_path):
