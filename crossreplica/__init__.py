@@ -27,6 +27,7 @@ from .version import __version__
 
 
 __all__ = [
+    "__version__",
     "errors",
     "save", "load",
     "ReduceOp",

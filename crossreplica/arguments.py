@@ -1,6 +1,6 @@
 """Checks for numeric arguments, shared by every public entry point.
 
-Layer: bottom (imports nothing of crossreplica). Each check validates once, at
+Layer: bottom (imports only errors). Each check validates once, at
 the boundary, and raises a ValueError that names the argument, shows the value
 and says what was expected, as the rest of the library's messages do.
 """
@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 import numbers
 from typing import Any
+
+from .errors import summarize
 
 __all__ = ["check_int", "check_number"]
 
@@ -31,7 +33,7 @@ def check_int(value: Any, name: str, *, low: int | None = None, high: int | None
     ``hint`` follows the rule in the message, e.g. ``" (0: automatic)"``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
             or (low is not None and int(value) < low) or (high is not None and int(value) >= high):
-        raise ValueError(f"{name} must be {_int_rule(low, high)}{hint}; got {value!r}")
+        raise ValueError(f"{name} must be {_int_rule(low, high)}{hint}; got {summarize(value)}")
     return int(value)
 
 
@@ -41,5 +43,5 @@ def check_number(value: Any, name: str, *, positive: bool = False, hint: str = "
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
             or (value <= 0 if positive else value < 0):
         rule = "a positive number (finite)" if positive else "a finite number >= 0"
-        raise ValueError(f"{name} must be {rule}{hint}; got {value!r}")
+        raise ValueError(f"{name} must be {rule}{hint}; got {summarize(value)}")
     return float(value)

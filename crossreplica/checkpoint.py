@@ -18,18 +18,46 @@ chief and broadcasts, so every replica gets the same state even without a
 shared file system; a missing file is a FileNotFoundError on every worker.
 
 In one process both are plain atomic save and load.
+
+Integrity. The file is an ordinary ``torch.save`` archive plus one record, a
+sha256 over every other record; ``cr.load`` checks it before unpickling, so a
+truncated, corrupted or modified file is a :class:`cr.errors.CheckpointError`
+naming the path (files without the record, from ``torch.save``, are checked
+against their zip CRCs). Loading uses torch's safe unpickler
+(``weights_only=True``) by default and never falls back to the unrestricted
+one; values it would refuse that people commonly save (numpy arrays and
+scalars, numpy's legacy RNG state, namedtuples, dataclasses) are converted to
+tensors and builtins by ``cr.save`` and restored by ``cr.load``. Dataclasses
+and namedtuples are rebuilt from classes already imported (a checkpoint never
+imports code; a namedtuple whose class is not imported comes back as a
+namedtuple of the same name and fields).
+
+Temporary files are named ``.<name>.crtmp-<host>-<pid>-<random>`` beside the
+target (beside a symlink's target: saving through a link replaces the file it
+points to, not the link); a save removes those left by dead writers of the
+same host. The file gets the mode the umask gives new files.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import hashlib
 import os
-import tempfile
+import pickle
+import re
+import secrets
+import socket
+import sys
+import zipfile
+import zlib
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from . import context, nest
-from .errors import ReplicaContextError
+from .errors import CheckpointError, ReplicaContextError, summarize
 from .reduce_op import ReduceOp
 from .values import Mirrored, PerReplica
 
@@ -97,20 +125,161 @@ def _plain(state: Any, path: tuple = ()) -> Any:
     return state
 
 
-def _atomic_save(obj: Any, path: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path)) or "."
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+# ---------------------------------------------------------------- values the safe loader refuses
+
+_TAG = "__crossreplica_value__"  # marks a dict that stands for a converted value
+
+
+def _encode(value: Any) -> Any:
+    """``value`` with numpy arrays and scalars, namedtuples and dataclasses turned into
+    plain dicts of tensors and builtins, which ``torch.load(weights_only=True)`` reads."""
+    np = sys.modules.get("numpy")
+    if isinstance(value, torch.Tensor):
+        return value
+    if np is not None and isinstance(value, (np.ndarray, np.generic)):
+        arr = np.asarray(value)
+        if arr.dtype.hasobject:
+            raise TypeError(f"cr.save: a numpy array of dtype object ({summarize(value)}) cannot be saved "
+                            f"safely; convert it to numbers first")
+        raw = torch.frombuffer(bytearray(np.ascontiguousarray(arr).tobytes()), dtype=torch.uint8) \
+            if arr.nbytes else torch.empty(0, dtype=torch.uint8)
+        return {_TAG: "numpy", "dtype": arr.dtype.str, "shape": list(arr.shape), "data": raw,
+                "scalar": isinstance(value, np.generic)}
+    if isinstance(value, tuple) and hasattr(type(value), "_fields"):
+        return {_TAG: "namedtuple", "module": type(value).__module__, "name": type(value).__qualname__,
+                "fields": list(type(value)._fields), "values": [_encode(v) for v in value]}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        cls = type(value)
+        return {_TAG: "dataclass", "module": cls.__module__, "name": cls.__qualname__,
+                "fields": {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}}
+    if isinstance(value, dict):
+        items = {k: _encode(v) for k, v in value.items()}
+        return OrderedDict(items) if isinstance(value, OrderedDict) else items
+    if isinstance(value, (list, tuple)):
+        return type(value)(_encode(v) for v in value)
+    return value
+
+
+def _lookup(module: str, qualname: str) -> Any:
+    """A class from a module that is already imported (a checkpoint never imports code)."""
+    obj = sys.modules.get(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, type) else None
+
+
+def _decode(value: Any, path: str) -> Any:
+    if isinstance(value, dict):
+        kind = value.get(_TAG)
+        if kind == "numpy":
+            import numpy as np
+            arr = np.frombuffer(value["data"].numpy().tobytes(), dtype=np.dtype(value["dtype"]))
+            arr = arr.reshape(value["shape"]).copy()
+            return arr[()] if value["scalar"] else arr
+        if kind == "namedtuple":
+            cls = _lookup(value["module"], value["name"])
+            if cls is None or not issubclass(cls, tuple) or list(getattr(cls, "_fields", ())) != value["fields"]:
+                cls = collections.namedtuple(value["name"].rsplit(".", 1)[-1], value["fields"])  # same shape
+            return cls(*(_decode(v, path) for v in value["values"]))
+        if kind == "dataclass":
+            cls = _lookup(value["module"], value["name"])
+            if cls is None or not dataclasses.is_dataclass(cls):
+                raise CheckpointError(
+                    f"cr.load: {path!r} holds a {value['module']}.{value['name']} dataclass; import "
+                    f"{value['module']} before loading (checkpoints never import code themselves)")
+            obj = cls.__new__(cls)
+            for k, v in value["fields"].items():
+                object.__setattr__(obj, k, _decode(v, path))
+            return obj
+        out = {k: _decode(v, path) for k, v in value.items()}
+        return type(value)(out) if type(value) is OrderedDict else out
+    if isinstance(value, list):
+        return [_decode(v, path) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_decode(v, path) for v in value)
+    return value
+
+
+# ---------------------------------------------------------------- the file
+
+_TMP_MARK = ".crtmp-"  # temporary files: .<name>.crtmp-<host>-<pid>-<random>
+_DIGEST = ".crossreplica_sha256"
+
+
+def _host() -> str:
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _clean_stale(directory: str, base: str) -> None:
+    """Removes temporary files of earlier writers of ``base`` that died mid-write.
+
+    Only files of this host whose process is gone are removed: a live writer
+    (here or on another host sharing the directory) is never disturbed."""
+    prefix = f".{base}{_TMP_MARK}{_host()}-"
     try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        try:
+            pid = int(name[len(prefix):].split("-", 1)[0])
+        except ValueError:
+            continue
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # still alive (or another user's process): not ours to remove
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+        except OSError:
+            pass
+
+
+def _digest(zf: zipfile.ZipFile) -> str:
+    """sha256 over every record of the archive (name and bytes), ours excluded."""
+    h = hashlib.sha256()
+    for info in sorted(zf.infolist(), key=lambda i: i.filename):
+        if info.filename.endswith("/" + _DIGEST):
+            continue
+        h.update(info.filename.encode() + b"\0")
+        with zf.open(info) as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def _atomic_save(obj: Any, path: str) -> None:
+    """Writes ``obj`` next to ``path`` (through a symlink: next to its target) and renames it over."""
+    target = os.path.realpath(path)
+    directory, base = os.path.split(target)
+    directory = directory or "."
+    _clean_stale(directory, base)
+    tmp = os.path.join(directory, f".{base}{_TMP_MARK}{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        # os.open with 0o666 lets the umask decide the mode, as for any new file.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
-            f.flush()
+        with zipfile.ZipFile(tmp, "a") as zf:
+            root = zf.infolist()[0].filename.split("/", 1)[0]
+            zf.writestr(f"{root}/{_DIGEST}", _digest(zf))
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+        os.replace(tmp, target)
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(e, OSError):  # name the user's path, never the temporary file
+            raise OSError(e.errno, f"cr.save: cannot write the checkpoint {path!r}: {e.strerror or e}") from None
         raise
     try:  # make the rename itself durable
         dfd = os.open(directory, os.O_RDONLY)
@@ -120,6 +289,70 @@ def _atomic_save(obj: Any, path: str) -> None:
             os.close(dfd)
     except OSError:
         pass
+
+
+def _verify(path: str) -> None:
+    """Raises CheckpointError unless ``path`` is a complete, unmodified checkpoint.
+
+    A file in torch's legacy (non-zip, pre-1.6) format carries no checksum; it is
+    left to the safe loader, whose failures are CheckpointErrors too."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(1) == b"\x80":  # a bare pickle: torch's legacy format
+                return
+        with zipfile.ZipFile(path) as zf:
+            names = [i.filename for i in zf.infolist()]
+            stored = next((n for n in names if n.endswith("/" + _DIGEST)), None)
+            if stored is None:  # written by torch.save or an older cr.save: the records' CRCs
+                bad = zf.testzip()
+                if bad is not None:
+                    raise CheckpointError(f"cr.load: {path!r} is corrupted (record {bad.split('/', 1)[-1]!r} "
+                                          f"fails its CRC check)")
+                return
+            try:
+                ok = zf.read(stored).decode(errors="replace") == _digest(zf)
+            except (zipfile.BadZipFile, zlib.error):  # a record fails its own CRC while being read
+                ok = False
+            if not ok:
+                raise CheckpointError(
+                    f"cr.load: {path!r} is corrupted: its contents do not match the checksum written with "
+                    f"it (modified or damaged on disk); restore it or use an older checkpoint")
+    except CheckpointError:
+        raise
+    except FileNotFoundError:
+        raise
+    except IsADirectoryError:
+        raise CheckpointError(f"cr.load: {path!r} is a directory, not a checkpoint file") from None
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError, zlib.error) as e:
+        raise CheckpointError(
+            f"cr.load: {path!r} is not a complete checkpoint (truncated, corrupted or not written by "
+            f"cr.save / torch.save): {type(e).__name__}") from None
+
+
+def _read(path: str, map_location: Any, weights_only: bool) -> Any:
+    """Verifies and loads ``path``; every failure but a missing file is a CheckpointError."""
+    _verify(path)
+    try:
+        value = torch.load(path, map_location=map_location, weights_only=weights_only)
+    except pickle.UnpicklingError as e:
+        text = str(e)
+        found = re.search(r"GLOBAL ([\w.]+)", text)
+        if weights_only and ("Weights only load failed" in text or found):
+            what = found.group(1) if found else "an object"
+            raise CheckpointError(
+                f"cr.load: {path!r} holds {what}, which the safe loader does not read. cr.save "
+                f"converts numpy values, namedtuples and dataclasses itself; for another class, "
+                f"register it with torch.serialization.add_safe_globals([...]) or save its state as "
+                f"tensors and builtins") from None
+        raise CheckpointError(f"cr.load: {path!r} is corrupted: {type(e).__name__}") from None
+    except FileNotFoundError:
+        raise
+    except (EOFError, OSError, KeyError, RuntimeError, ValueError, TypeError, AttributeError,
+            IndexError) as e:
+        raise CheckpointError(
+            f"cr.load: {path!r} cannot be read as a checkpoint (truncated or corrupted): "
+            f"{type(e).__name__}") from None
+    return _decode(value, path)
 
 
 def save(path: str | os.PathLike, state: Any, *, strategy: Any = None) -> None:
@@ -135,7 +368,7 @@ def save(path: str | os.PathLike, state: Any, *, strategy: Any = None) -> None:
     path = os.fspath(path)
     strategy = _resolve(strategy, "save")
     workers = _cross_process(strategy)
-    plain = _plain(state)
+    plain = _encode(_plain(state))
     if workers is None:
         _atomic_save(plain, path)
         return
@@ -159,6 +392,8 @@ def load(path: str | os.PathLike, *, map_location: Any = "cpu", strategy: Any = 
 
     Raises:
         FileNotFoundError: on every worker, when the chief has no file at ``path``.
+        CheckpointError: the file is truncated, corrupted, not a checkpoint, or holds a
+            value the safe loader does not read (on every worker).
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"cr.load: path must be a str or os.PathLike; got {path!r}")
@@ -166,21 +401,25 @@ def load(path: str | os.PathLike, *, map_location: Any = "cpu", strategy: Any = 
     strategy = _resolve(strategy, "load")
     workers = _cross_process(strategy)
     if workers is None:
-        return torch.load(path, map_location=map_location, weights_only=weights_only)
+        return _read(path, map_location, weights_only)
     import torch.distributed as dist
 
     box: list[Any] = [None]
     if workers.is_chief:
         try:
-            box[0] = ("ok", torch.load(path, map_location="cpu", weights_only=weights_only))
+            box[0] = ("ok", _read(path, "cpu", weights_only))
         except FileNotFoundError as e:
             box[0] = ("missing", str(e))
+        except CheckpointError as e:
+            box[0] = ("bad", str(e))
         except Exception as e:  # noqa: BLE001 - every worker raises it
             box[0] = ("error", f"{type(e).__name__}: {e}")
     dist.broadcast_object_list(box, src=0)
     status, value = box[0]
     if status == "missing":
         raise FileNotFoundError(f"cr.load: no checkpoint at {path!r} on the chief (rank 0): {value}")
+    if status == "bad":
+        raise CheckpointError(f"{value} (read by the chief, rank 0)")
     if status == "error":
         raise RuntimeError(f"cr.load: the chief (rank 0) could not read {path!r}: {value}")
     if map_location not in (None, "cpu"):

@@ -24,6 +24,7 @@ from torch.autograd.function import once_differentiable
 from . import nest
 from .context import ReplicaContext, get_replica_context, require_replica_context
 from .engines.base import Call, Kind
+from .errors import summarize
 from .groups import Groups, Mesh, contiguous_groups, group_of, resolve_groups
 from .reduce_op import ReduceOp, check_dtype
 
@@ -59,7 +60,7 @@ def _tensor_leaves(x: Any, api: str) -> tuple[list, Any, list[int], list[torch.T
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
                 f"{api}: every leaf of x must be a torch.Tensor (or None); leaf {p} is "
-                f"{type(leaf).__name__}: {leaf!r}")
+                f"{type(leaf).__name__}: {summarize(leaf)}")
         where.append(p)
         tensors.append(leaf)
     return leaves, spec, where, tensors
@@ -81,8 +82,21 @@ def _raw(rctx: ReplicaContext, kind: Kind, groups: Groups, params: tuple,
     current = get_replica_context()
     if current is not None:
         current.check_current("cr.", kind)
+        device = current.device
+        for t in tensors:
+            if t.device != device:
+                _wrong_device(current, kind, tensors, device)
     call = Call.of(kind, groups, params, tensors)
     return rctx.engine.execute(rctx.replica_id_in_sync_group, call, tensors)
+
+
+def _wrong_device(rctx: ReplicaContext, kind: Kind, tensors: list[torch.Tensor], device: torch.device) -> None:
+    """Raises in the replica that passed a tensor on another device than its own."""
+    bad = next(i for i, t in enumerate(tensors) if t.device != device)
+    raise ValueError(
+        f"cr.{kind}: tensor {bad} (shape {list(tensors[bad].shape)}) is on {tensors[bad].device}, but "
+        f"replica {rctx.replica_id_in_sync_group} runs on {device}; move it there first, e.g. "
+        f"x.to(cr.get_replica_context().device)")
 
 
 def _execute(rctx: ReplicaContext, kind: Kind, groups: Groups, params: tuple,
@@ -176,7 +190,7 @@ def _dim(value: Any, t: torch.Tensor, argname: str, api: str) -> int:
     try:
         d = operator.index(value)
     except TypeError:
-        raise TypeError(f"{api}: {argname} must be an int; got {value!r}") from None
+        raise TypeError(f"{api}: {argname} must be an int; got {summarize(value)}") from None
     nd = max(t.dim(), 1)
     if not -nd <= d < nd:
         raise ValueError(
@@ -272,7 +286,7 @@ def reduce_scatter(x: Any, op: ReduceOp | str = "sum", dim: int = 0, group_assig
     for t in tensors:
         check_dtype(op, t.dtype)
         if t.dim() == 0:
-            raise ValueError(f"cr.reduce_scatter needs tensors with at least one dimension; got a 0-d tensor")
+            raise ValueError("cr.reduce_scatter needs tensors with at least one dimension; got a 0-d tensor")
         d = _dim(dim, t, "dim", "cr.reduce_scatter")
         if t.shape[d] % k:
             raise ValueError(
@@ -318,7 +332,7 @@ def broadcast(x: Any, source: int = 0, group_assignment: Any = None) -> Any:
         src = -1
     if not 0 <= src < k:
         raise ValueError(
-            f"cr.broadcast: source must be a position in the group, an int in [0, {k}); got {source!r}")
+            f"cr.broadcast: source must be a position in the group, an int in [0, {k}); got {summarize(source)}")
     leaves, spec, where, tensors = _tensor_leaves(x, "cr.broadcast")
     return _repack(leaves, spec, where, _execute(rctx, Kind.BROADCAST, groups, (src,), tensors))
 
@@ -336,27 +350,31 @@ def collective_permute(x: Any, source_target_pairs: Sequence[Sequence[int]]) -> 
 
 def _replica_index(v: Any) -> int:
     if isinstance(v, bool):  # operator.index accepts bools; a replica id is never one
-        raise TypeError(f"a replica id must be an int, not a bool: {v!r}")
+        raise TypeError(f"a replica id must be an int, not a bool: {summarize(v)}")
     return operator.index(v)
 
 
 def _canonical_pairs(pairs: Any, n: int) -> tuple[tuple[int, int], ...]:
+    if hasattr(pairs, "__len__") and len(pairs) > n:  # each replica is at most once a source
+        raise ValueError(
+            f"source_target_pairs has {len(pairs)} pairs, but each of the {n} replicas may be a source "
+            f"at most once; got {summarize(pairs)}")
     try:
         out = [(_replica_index(s), _replica_index(t)) for s, t in pairs]
     except (TypeError, ValueError):
         raise ValueError(
             f"source_target_pairs must be a list of (source, target) replica id pairs, e.g. "
-            f"[[0, 1], [1, 0]]; got {pairs!r}") from None
+            f"[[0, 1], [1, 0]]; got {summarize(pairs)}") from None
     for s, t in out:
         if not (0 <= s < n and 0 <= t < n):
             raise ValueError(
-                f"source_target_pairs names a replica outside 0..{n - 1} in ({s}, {t}): {pairs!r}")
+                f"source_target_pairs names a replica outside 0..{n - 1} in ({s}, {t}): {summarize(pairs)}")
     for name, col in (("source", 0), ("target", 1)):
         ids = [p[col] for p in out]
         dup = sorted({r for r in ids if ids.count(r) > 1})
         if dup:
             raise ValueError(
-                f"source_target_pairs uses replicas {dup} more than once as a {name}: {pairs!r}")
+                f"source_target_pairs uses replicas {dup} more than once as a {name}: {summarize(pairs)}")
     return tuple(sorted(out))
 
 

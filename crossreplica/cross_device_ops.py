@@ -33,11 +33,13 @@ from typing import Any, Callable, Protocol, Sequence, cast
 import torch
 
 from . import context
-from .arguments import check_int, check_number
+from .arguments import check_int
 from .devices import canonical_device
 from .packing import DEFAULT_BYTES_PER_PACK, flatten_pack, plan_packs
+from .timeouts import canonical_timeout
 from .reduce_op import ReduceOp, check_dtype, reduce_non_distributed_value
 from .values import DistributedValues, Mirrored
+from .errors import summarize
 
 __all__ = [
     "CommunicationOptions",
@@ -63,8 +65,8 @@ class CommunicationOptions:
 
     def __init__(self, bytes_per_pack: int = 0, timeout_seconds: float | None = None):
         self.bytes_per_pack = check_int(bytes_per_pack, "bytes_per_pack", low=0, hint=" (0: automatic)")
-        self.timeout_seconds = (None if timeout_seconds is None else
-                                check_number(timeout_seconds, "timeout_seconds", positive=True, hint=" or None"))
+        self.timeout_seconds = (None if timeout_seconds is None
+                                else canonical_timeout(timeout_seconds, "timeout_seconds"))
 
     def __repr__(self) -> str:
         return (f"CommunicationOptions(bytes_per_pack={self.bytes_per_pack}, "
@@ -110,7 +112,7 @@ def get_devices_from(destinations: Any, argname: str = "destinations") -> tuple[
     d = _device_of(destinations)
     if d is not None:
         return (d,)
-    raise ValueError(f"{argname} must be {_DEST_HELP}; got {type(destinations).__name__}: {destinations!r}")
+    raise ValueError(f"{argname} must be {_DEST_HELP}; got {type(destinations).__name__}: {summarize(destinations)}")
 
 
 def _as_tensor(x: Any, argname: str) -> torch.Tensor:
@@ -118,7 +120,7 @@ def _as_tensor(x: Any, argname: str) -> torch.Tensor:
         return x
     if isinstance(x, (numbers.Number, bool)):
         return torch.as_tensor(x)
-    raise ValueError(f"{argname} must hold tensors (or Python numbers); got {type(x).__name__}: {x!r}")
+    raise ValueError(f"{argname} must hold tensors (or Python numbers); got {type(x).__name__}: {summarize(x)}")
 
 
 def _copies(t: torch.Tensor, devices: Sequence[torch.device], fresh: bool = True) -> Mirrored:
@@ -152,7 +154,7 @@ def _check_options(options: Any) -> "CommunicationOptions":
     if options is None:
         return CommunicationOptions()
     if not isinstance(options, CommunicationOptions):
-        raise ValueError(f"options must be a cr.CommunicationOptions or None; got {options!r}")
+        raise ValueError(f"options must be a cr.CommunicationOptions or None; got {summarize(options)}")
     return options
 
 
@@ -212,12 +214,12 @@ class CrossDeviceOps:
                 not isinstance(value_destination_pairs, abc.Sequence):
             raise ValueError(
                 f"value_destination_pairs must be a list of (value, destinations) tuples; got "
-                f"{value_destination_pairs!r}")
+                f"{summarize(value_destination_pairs)}")
         pairs = []
         for i, pair in enumerate(value_destination_pairs):
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
                 raise ValueError(
-                    f"value_destination_pairs[{i}] must be a (value, destinations) tuple; got {pair!r}")
+                    f"value_destination_pairs[{i}] must be a (value, destinations) tuple; got {summarize(pair)}")
             value, dest = pair
             devices = get_devices_from(dest, f"value_destination_pairs[{i}][1]")
             pairs.append((value, devices))
@@ -297,9 +299,9 @@ class ReductionToOneDevice(CrossDeviceOps):
     def __init__(self, reduce_to_device: Any = None,
                  accumulation_fn: Callable[[list[torch.Tensor]], torch.Tensor] | None = None):
         if reduce_to_device is not None:
-                reduce_to_device = canonical_device(reduce_to_device, "reduce_to_device")
+            reduce_to_device = canonical_device(reduce_to_device, "reduce_to_device")
         if accumulation_fn is not None and not callable(accumulation_fn):
-            raise ValueError(f"accumulation_fn must be callable or None; got {accumulation_fn!r}")
+            raise ValueError(f"accumulation_fn must be callable or None; got {summarize(accumulation_fn)}")
         self.reduce_to_device = reduce_to_device
         self.accumulation_fn = accumulation_fn
 
@@ -313,7 +315,7 @@ class ReductionToOneDevice(CrossDeviceOps):
             out = self.accumulation_fn(local)
             if not isinstance(out, torch.Tensor):
                 raise ValueError(
-                    f"accumulation_fn must return a tensor; it returned {type(out).__name__}: {out!r}")
+                    f"accumulation_fn must return a tensor; it returned {type(out).__name__}: {summarize(out)}")
             if reduce_op is ReduceOp.MEAN:
                 out = out / len(local)
         else:

@@ -32,6 +32,7 @@ import torch
 
 from . import nest
 from .arguments import check_int
+from .errors import summarize
 from .values import DistributedValues, PerReplica
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ class InputContext:
         check_int(global_batch_size, "global_batch_size", low=0)
         if global_batch_size % self._num_replicas_in_sync:
             raise ValueError(
-                f"The `global_batch_size` {global_batch_size!r} is not divisible by "
+                f"The `global_batch_size` {summarize(global_batch_size)} is not divisible by "
                 f"`num_replicas_in_sync` {self._num_replicas_in_sync!r}")
         return global_batch_size // self._num_replicas_in_sync
 
@@ -182,7 +183,7 @@ def _rows(batch: Any) -> int:
         if isinstance(leaf, torch.Tensor):
             if leaf.dim() == 0:
                 raise ValueError(
-                    f"batch leaf {p} is a 0-d tensor ({leaf!r}); every tensor in a global batch needs a "
+                    f"batch leaf {p} is a 0-d tensor ({summarize(leaf)}); every tensor in a global batch needs a "
                     f"batch dimension 0 to split along")
             if rows is None:
                 rows = leaf.shape[0]
@@ -193,7 +194,7 @@ def _rows(batch: Any) -> int:
     if rows is None:
         raise ValueError(
             f"a global batch must hold at least one tensor to split along dim 0; got "
-            f"{type(batch).__name__}: {batch!r}")
+            f"{type(batch).__name__}: {summarize(batch)}")
     return rows
 
 
@@ -234,7 +235,7 @@ def distribute_dataset(strategy: "Strategy", iterable: Any) -> DistributedDatase
     if isinstance(iterable, (str, bytes)) or not hasattr(iterable, "__iter__"):
         raise ValueError(
             f"dataset must be an iterable of global batches (a DataLoader, a list of tensors or "
-            f"nests); got {type(iterable).__name__}: {iterable!r}")
+            f"nests); got {type(iterable).__name__}: {summarize(iterable)}")
     return DistributedDataset(strategy, iterable)
 
 
@@ -248,11 +249,11 @@ def distribute_datasets_from_function(strategy: "Strategy",
                                       dataset_fn: Callable[[InputContext], Any]) -> DistributedDataset:
     """The implementation of ``Strategy.distribute_datasets_from_function``."""
     if not callable(dataset_fn):
-        raise ValueError(f"dataset_fn must be callable as dataset_fn(input_context); got {dataset_fn!r}")
+        raise ValueError(f"dataset_fn must be callable as dataset_fn(input_context); got {summarize(dataset_fn)}")
     source = dataset_fn(input_context(strategy))
     if isinstance(source, (str, bytes)) or not hasattr(source, "__iter__"):
         raise ValueError(
             f"dataset_fn must return an iterable of batches for this input pipeline; it returned "
-            f"{type(source).__name__}: {source!r}")
+            f"{type(source).__name__}: {summarize(source)}")
     return DistributedDataset(strategy, source, from_function=True)
 

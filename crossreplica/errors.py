@@ -8,7 +8,12 @@ handlers keep working.
 
 from __future__ import annotations
 
+import reprlib
+from typing import Any
+
 __all__ = [
+    "summarize",
+    "CheckpointError",
     "CrossReplicaError",
     "ReplicaContextError",
     "CollectiveMismatchError",
@@ -17,8 +22,43 @@ __all__ = [
 ]
 
 
+_SUMMARY = reprlib.Repr()
+_SUMMARY.maxlevel = 3
+_SUMMARY.maxlist = _SUMMARY.maxtuple = _SUMMARY.maxset = _SUMMARY.maxfrozenset = 8
+_SUMMARY.maxdeque = _SUMMARY.maxarray = 8
+_SUMMARY.maxdict = 6
+_SUMMARY.maxstring = _SUMMARY.maxother = 80
+_SUMMARY.maxlong = 40
+
+
+def summarize(value: Any, limit: int = 200) -> str:
+    """A repr of ``value`` for an error message: at most ``limit`` characters.
+
+    Long sequences show their first items and their length, so a message about
+    a million-entry argument stays short and quick to build.
+    """
+    try:
+        text = _SUMMARY.repr(value)
+    except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the real error
+        text = f"<{type(value).__name__} object>"
+    try:
+        n = len(value) if not isinstance(value, (str, bytes)) else None
+    except Exception:  # noqa: BLE001 - no length
+        n = None
+    if n is not None and n > _SUMMARY.maxlist:
+        text = f"{text} ({n} items)"
+    if len(text) > limit:
+        text = text[:max(limit - 3, 0)] + "..."
+    return text
+
+
 class CrossReplicaError(RuntimeError):
     """Base class of crossreplica's runtime errors."""
+
+
+class CheckpointError(CrossReplicaError, ValueError):
+    """A checkpoint file cannot be read: missing pieces, truncated, corrupted, or not
+    written by ``cr.save``. The message names the path and what is wrong."""
 
 
 class ReplicaContextError(CrossReplicaError):

@@ -22,6 +22,8 @@ import operator
 from collections import abc
 from typing import Any, Mapping, Sequence
 
+from .errors import summarize
+
 __all__ = [
     "Groups",
     "canonical_groups",
@@ -50,7 +52,7 @@ def _as_list(x: Any, argname: str) -> list:
     if isinstance(x, (str, bytes)) or not isinstance(x, abc.Sequence):
         raise ValueError(
             f"{argname} must be None, a list of equal-size lists of replica ids "
-            f"(e.g. [[0, 1], [2, 3]]) or one group index per replica (e.g. [0, 0, 1, 1]); got {x!r}")
+            f"(e.g. [[0, 1], [2, 3]]) or one group index per replica (e.g. [0, 0, 1, 1]); got {summarize(x)}")
     return list(x)
 
 
@@ -84,55 +86,67 @@ def _canonical_cached(ga: tuple, n: int, argname: str) -> Groups:
 def _canonical(group_assignment: Any, n: int, argname: str) -> Groups:
     rows = _as_list(group_assignment, argname)
     if not rows:
-        raise ValueError(f"{argname} must not be empty; got {group_assignment!r}")
+        raise ValueError(f"{argname} must not be empty; got {summarize(group_assignment)}")
+    if len(rows) > n:  # checked first, so a huge value is rejected without walking it
+        if _as_int(rows[0]) is not None:
+            raise ValueError(
+                f"{argname} in the flat form needs one group index per replica ({n} replicas in sync); "
+                f"got {len(rows)} entries: {summarize(group_assignment)}")
+        raise ValueError(
+            f"{argname} has {len(rows)} groups, but {n} replicas are in sync (at most {n} groups); "
+            f"got {summarize(group_assignment)}")
     for i, r in enumerate(rows):
         if isinstance(r, bool):
             raise ValueError(
-                f"{argname}[{i}] is the bool {r!r}; group indices and replica ids must be ints, "
-                f"not bools: got {group_assignment!r}")
+                f"{argname}[{i}] is the bool {summarize(r)}; group indices and replica ids must be ints, "
+                f"not bools: got {summarize(group_assignment)}")
     if all(_as_int(r) is not None for r in rows):
         return _from_flat([_as_int(r) for r in rows], n, argname, group_assignment)
     groups = []
+    lengths: list[int] = []
     for i, row in enumerate(rows):
         if _as_int(row) is not None:
             raise ValueError(
-                f"{argname} mixes group indices and groups: entry {i} is {row!r}; use either "
-                f"[[0, 1], [2, 3]] or [0, 0, 1, 1]; got {group_assignment!r}")
+                f"{argname} mixes group indices and groups: entry {i} is {summarize(row)}; use either "
+                f"[[0, 1], [2, 3]] or [0, 0, 1, 1]; got {summarize(group_assignment)}")
         members = _as_list(row, f"{argname}[{i}]")
+        lengths.append(len(members))
+        # More than n members must repeat or exceed an id: n + 1 of them show which.
+        members = members[:n + 1]
         ids = []
         for m in members:
             v = _as_int(m)
             if v is None:
                 raise ValueError(
-                    f"{argname}[{i}] must hold integer replica ids; got {m!r} in {group_assignment!r}")
+                    f"{argname}[{i}] must hold integer replica ids; got {summarize(m)} in {summarize(group_assignment)}")
             ids.append(v)
         if not ids:
-            raise ValueError(f"{argname}[{i}] is an empty group; got {group_assignment!r}")
+            raise ValueError(f"{argname}[{i}] is an empty group; got {summarize(group_assignment)}")
         groups.append(tuple(ids))
-    size = len(groups[0])
-    for i, g in enumerate(groups):
-        if len(g) != size:
+    size = lengths[0]
+    for i, length in enumerate(lengths):
+        if length != size:
             raise ValueError(
                 f"{argname} must have groups of equal size; group 0 has {size} replicas, group {i} "
-                f"has {len(g)}: {group_assignment!r}")
+                f"has {length}: {summarize(group_assignment)}")
     seen: dict[int, int] = {}
     for i, g in enumerate(groups):
         for r in g:
             if not 0 <= r < n:
                 raise ValueError(
                     f"{argname} names replica {r}, outside 0..{n - 1} ({n} replicas in sync): "
-                    f"{group_assignment!r}")
+                    f"{summarize(group_assignment)}")
             if r in seen:
                 where = f"groups {seen[r]} and {i}" if seen[r] != i else f"group {i} twice"
                 raise ValueError(
                     f"{argname} must cover replicas 0..{n - 1} exactly once; replica {r} appears in "
-                    f"{where}: {group_assignment!r}")
+                    f"{where}: {summarize(group_assignment)}")
             seen[r] = i
     missing = [r for r in range(n) if r not in seen]
     if missing:
         raise ValueError(
             f"{argname} must cover replicas 0..{n - 1} exactly once; replicas {missing} are in no "
-            f"group: {group_assignment!r}")
+            f"group: {summarize(group_assignment)}")
     return tuple(groups)
 
 
@@ -140,18 +154,18 @@ def _from_flat(index: list[int], n: int, argname: str, original: Any) -> Groups:
     if len(index) != n:
         raise ValueError(
             f"{argname} in the flat form needs one group index per replica ({n} replicas in sync); "
-            f"got {len(index)} entries: {original!r}")
+            f"got {len(index)} entries: {summarize(original)}")
     num_groups = max(index) + 1
-    if min(index) < 0 or set(index) != set(range(num_groups)):
+    if min(index) < 0 or num_groups > n or set(index) != set(range(num_groups)):
         raise ValueError(
             f"{argname} in the flat form must use group indices 0..G-1 with none skipped; "
-            f"got {original!r}")
+            f"got {summarize(original)}")
     groups = tuple(tuple(r for r in range(n) if index[r] == g) for g in range(num_groups))
     sizes = {len(g) for g in groups}
     if len(sizes) != 1:
         raise ValueError(
             f"{argname} must have groups of equal size; group sizes are "
-            f"{[len(g) for g in groups]}: {original!r}")
+            f"{[len(g) for g in groups]}: {summarize(original)}")
     return groups
 
 
@@ -162,16 +176,16 @@ def resolve_groups(num_replicas: int, group_assignment: Any = None, mesh: "Mesh 
         if group_assignment is not None:
             raise ValueError(
                 f"pass either group_assignment or mesh/axes, not both; got group_assignment="
-                f"{group_assignment!r} and mesh={mesh!r}")
+                f"{summarize(group_assignment)} and mesh={summarize(mesh)}")
         if not isinstance(mesh, Mesh):
-            raise ValueError(f"mesh must be a cr.Mesh; got {mesh!r}")
+            raise ValueError(f"mesh must be a cr.Mesh; got {summarize(mesh)}")
         if mesh.size != num_replicas:
             raise ValueError(
-                f"mesh {mesh!r} has {mesh.size} devices but {num_replicas} replicas are in sync; "
+                f"mesh {summarize(mesh)} has {mesh.size} devices but {num_replicas} replicas are in sync; "
                 f"the axis sizes must multiply to the replica count")
         return mesh.group_assignment(mesh.axis_names if axes is None else axes)
     if axes is not None:
-        raise ValueError(f"axes={axes!r} needs a mesh; pass mesh=cr.Mesh(...) as well")
+        raise ValueError(f"axes={summarize(axes)} needs a mesh; pass mesh=cr.Mesh(...) as well")
     return canonical_groups(group_assignment, num_replicas)
 
 
@@ -186,7 +200,7 @@ def group_of(groups: Groups, replica_id: int) -> tuple[int, ...]:
 def _check_positive(name: str, value: Any) -> int:
     v = _as_int(value)
     if v is None or v <= 0:
-        raise ValueError(f"{name} must be a positive integer; got {value!r}")
+        raise ValueError(f"{name} must be a positive integer; got {summarize(value)}")
     return v
 
 
@@ -227,15 +241,15 @@ class Mesh:
         if not isinstance(shape, abc.Mapping) or not shape:
             raise ValueError(
                 f"shape must be a non-empty mapping from axis name to size, e.g. "
-                f"{{'data': 2, 'model': 2}}; got {shape!r}")
+                f"{{'data': 2, 'model': 2}}; got {summarize(shape)}")
         dims = {}
         for name, size in shape.items():
             if not isinstance(name, str) or not name:
-                raise ValueError(f"mesh axis names must be non-empty strings; got {name!r} in {shape!r}")
+                raise ValueError(f"mesh axis names must be non-empty strings; got {summarize(name)} in {summarize(shape)}")
             v = _as_int(size)
             if v is None or v <= 0:
                 raise ValueError(
-                    f"mesh axis {name!r} must have a positive integer size; got {size!r} in {shape!r}")
+                    f"mesh axis {summarize(name)} must have a positive integer size; got {summarize(size)} in {summarize(shape)}")
             dims[name] = v
         self._shape = dims
         self._names = tuple(dims)
@@ -267,7 +281,7 @@ class Mesh:
         """Coordinates of ``replica``, one per axis in axis order."""
         r = _as_int(replica)
         if r is None or not 0 <= r < self.size:
-            raise ValueError(f"replica must be an int in [0, {self.size}) for {self!r}; got {replica!r}")
+            raise ValueError(f"replica must be an int in [0, {self.size}) for {summarize(self)}; got {summarize(replica)}")
         return tuple((r // s) % n for s, n in zip(self._strides, self._sizes))
 
     def replica(self, coords: Sequence[int] | Mapping[str, int]) -> int:
@@ -276,17 +290,17 @@ class Mesh:
             unknown = set(coords) - set(self._names)
             if unknown or len(coords) != len(self._names):
                 raise ValueError(
-                    f"coords must name every axis of {self!r} ({list(self._names)}) once; got {coords!r}")
+                    f"coords must name every axis of {summarize(self)} ({list(self._names)}) once; got {summarize(coords)}")
             coords = [coords[n] for n in self._names]
         if isinstance(coords, (str, bytes)) or not isinstance(coords, abc.Sequence) \
                 or len(coords) != len(self._names):
             raise ValueError(
-                f"coords must have one index per axis {list(self._names)}; got {coords!r}")
+                f"coords must have one index per axis {list(self._names)}; got {summarize(coords)}")
         r = 0
         for name, c, n, s in zip(self._names, coords, self._sizes, self._strides):
             v = _as_int(c)
             if v is None or not 0 <= v < n:
-                raise ValueError(f"coordinate for axis {name!r} must be in [0, {n}); got {c!r}")
+                raise ValueError(f"coordinate for axis {summarize(name)} must be in [0, {n}); got {summarize(c)}")
             r += v * s
         return r
 
@@ -294,14 +308,14 @@ class Mesh:
         if isinstance(axes, str):
             axes = (axes,)
         if not isinstance(axes, abc.Iterable):
-            raise ValueError(f"axes must be an axis name or a sequence of names of {self!r}; got {axes!r}")
+            raise ValueError(f"axes must be an axis name or a sequence of names of {summarize(self)}; got {summarize(axes)}")
         axes = tuple(axes)
         for a in axes:
             if a not in self._shape:
                 raise ValueError(
-                    f"axes names {a!r}, which is not an axis of {self!r}; valid names: {list(self._names)}")
+                    f"axes names {summarize(a)}, which is not an axis of {summarize(self)}; valid names: {list(self._names)}")
         if len(set(axes)) != len(axes):
-            raise ValueError(f"axes must not repeat a name; got {axes!r}")
+            raise ValueError(f"axes must not repeat a name; got {summarize(axes)}")
         return axes
 
     def group_assignment(self, axes: Any) -> Groups:

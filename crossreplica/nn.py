@@ -29,6 +29,7 @@ from .arguments import check_int
 from .collectives import all_reduce
 from .context import get_replica_context
 from .groups import Groups, contiguous_groups, group_of, resolve_groups
+from .errors import summarize
 
 __all__ = ["SyncBatchNorm"]
 
@@ -58,7 +59,8 @@ class SyncBatchNorm(tnn.modules.batchnorm._BatchNorm):
         if group_assignment is not None and num_shards_per_group is not None:
             raise ValueError(
                 f"pass either group_assignment or num_shards_per_group, not both; got "
-                f"group_assignment={group_assignment!r}, num_shards_per_group={num_shards_per_group!r}")
+                f"group_assignment={summarize(group_assignment)}, "
+                f"num_shards_per_group={summarize(num_shards_per_group)}")
         if num_shards_per_group is not None:
             check_int(num_shards_per_group, "num_shards_per_group", low=1, hint=" or None")
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)

@@ -59,6 +59,7 @@ from .engines.base import INPLACE, Call, Kind
 from .groups import Groups, group_of, resolve_groups
 from .packing import DEFAULT_BYTES_PER_PACK, PackedBuffers
 from .reduce_op import ReduceOp
+from .errors import summarize
 
 __all__ = ["CrossShardOptimizer", "DEFAULT_BYTES_PER_PACK"]
 
@@ -77,7 +78,7 @@ def _canonical_reduction(reduction: Any) -> ReduceOp:
         op = ReduceOp.__members__.get(reduction.upper())
     if op not in _VALID_REDUCTIONS:
         raise ValueError(
-            f"reduction must be one of 'mean', 'sum' (or cr.ReduceOp.MEAN / SUM); got {reduction!r}")
+            f"reduction must be one of 'mean', 'sum' (or cr.ReduceOp.MEAN / SUM); got {summarize(reduction)}")
     return op
 
 
@@ -91,7 +92,7 @@ def _canonical_weight(weight: Any) -> float:
             or weight < 0:
         raise ValueError(
             f"weight must be a finite number >= 0 (usually the replica's row count, x.shape[0]); "
-            f"got {weight!r}")
+            f"got {summarize(weight)}")
     return float(weight)
 
 
@@ -137,13 +138,13 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer (e.g. torch.optim.SGD(model.parameters(), "
-                f"lr=0.1)); got {type(optimizer).__name__}: {optimizer!r}")
+                f"lr=0.1)); got {type(optimizer).__name__}: {summarize(optimizer)}")
         if isinstance(optimizer, CrossShardOptimizer):
             raise ValueError(
                 "optimizer is already a cr.CrossShardOptimizer; wrapping it again would reduce every "
                 "gradient twice")
         if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int) or bytes_per_pack <= 0:
-            raise ValueError(f"bytes_per_pack must be a positive int (bytes); got {bytes_per_pack!r}")
+            raise ValueError(f"bytes_per_pack must be a positive int (bytes); got {summarize(bytes_per_pack)}")
         self._optimizer = optimizer
         self._reduction = _canonical_reduction(reduction)
         self._group_assignment = group_assignment
@@ -369,7 +370,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         if weighted:
             if self._reduction is not ReduceOp.MEAN:
                 raise ValueError(
-                    f"weight={weight!r} is only used with reduction='mean'; this optimizer sums "
+                    f"weight={summarize(weight)} is only used with reduction='mean'; this optimizer sums "
                     f"(reduction='sum'), so leave weight out")
             w = _canonical_weight(weight)
         if group_size == 1:

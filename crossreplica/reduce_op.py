@@ -6,6 +6,7 @@ import enum
 from typing import Any
 
 import torch
+from .errors import summarize
 
 __all__ = ["ReduceOp"]
 
@@ -34,7 +35,7 @@ class ReduceOp(enum.Enum):
                 return member
         valid = ", ".join(m.name for m in cls)
         raise ValueError(
-            f"{argname} must be a cr.ReduceOp or one of {valid} (any case); got {op!r}")
+            f"{argname} must be a cr.ReduceOp or one of {valid} (any case); got {summarize(op)}")
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -64,5 +65,5 @@ def reduce_non_distributed_value(op: ReduceOp, value: Any, num_replicas: int) ->
     if op is ReduceOp.MEAN or op is ReduceOp.MAX or op is ReduceOp.MIN or num_replicas == 1:
         return value
     raise ValueError(
-        f"a non-distributed value {value!r} cannot be reduced with op={op} over {num_replicas} "
+        f"a non-distributed value {summarize(value)} cannot be reduced with op={op} over {num_replicas} "
         f"replicas; pass a cr.PerReplica (one value per replica), or use op='mean'")

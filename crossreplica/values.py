@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 from . import nest
 from .arguments import check_int
+from .errors import summarize
 
 __all__ = [
     "DistributedValues",
@@ -36,7 +37,7 @@ class DistributedValues:
     def __init__(self, values: Sequence[Any]):
         if isinstance(values, (str, bytes)) or not isinstance(values, abc.Sequence) or not values:
             raise ValueError(
-                f"values must be a non-empty sequence with one value per replica; got {values!r}")
+                f"values must be a non-empty sequence with one value per replica; got {summarize(values)}")
         self._values = tuple(values)
 
     @property
@@ -72,10 +73,10 @@ def regroup(values: Sequence[Any], wrap_class: type[DistributedValues] = PerRepl
     """
     if isinstance(values, (str, bytes)) or not isinstance(values, abc.Sequence) or len(values) == 0:
         raise ValueError(
-            f"values must be a non-empty sequence with one nest per replica; got {values!r}")
+            f"values must be a non-empty sequence with one nest per replica; got {summarize(values)}")
     if not (isinstance(wrap_class, type) and issubclass(wrap_class, DistributedValues)):
         raise ValueError(
-            f"wrap_class must be a subclass of cr.DistributedValues; got {wrap_class!r}")
+            f"wrap_class must be a subclass of cr.DistributedValues; got {summarize(wrap_class)}")
     return _regroup(tuple(values), wrap_class, always_wrap, ())
 
 
@@ -118,7 +119,7 @@ def select_replica_mirrored(replica_id: int, structured: Any) -> Any:
             if not isinstance(x, Mirrored):
                 raise TypeError(
                     f"select_replica_mirrored expects every distributed leaf to be cr.Mirrored; "
-                    f"got {type(x).__name__}: {x!r}")
+                    f"got {type(x).__name__}: {summarize(x)}")
             return _pick(x, replica_id)
         return x
     return nest.map_structure(get, structured)

@@ -206,7 +206,7 @@ def test_bad_op_and_options():
         cr.AllReduceCrossDeviceOps().reduce("sum", value, "cpu", options={"bytes_per_pack": 1})
     with pytest.raises(ValueError, match="bytes_per_pack must be a non-negative int"):
         cr.CommunicationOptions(bytes_per_pack=-1)
-    with pytest.raises(ValueError, match="timeout_seconds must be a positive number"):
+    with pytest.raises(ValueError, match="timeout_seconds must be a positive number of seconds"):
         cr.CommunicationOptions(timeout_seconds=0)
     with pytest.raises(TypeError, match="op=mean needs a floating-point"):
         cr.AllReduceCrossDeviceOps().reduce("mean", cr.PerReplica([torch.ones(1, dtype=torch.int64)] * 2), "cpu")

@@ -13,7 +13,7 @@ import crossreplica as cr
     ({"replicas_per_worker": 0}, "replicas_per_worker must be a positive int; got 0"),
     ({"replicas_per_worker": True}, "replicas_per_worker must be a positive int; got True"),
     ({"backend": "mpi"}, r"backend must be one of \['gloo', 'nccl'\] or None \(automatic\); got 'mpi'"),
-    ({"timeout_seconds": 0}, "timeout_seconds must be a positive number; got 0"),
+    ({"timeout_seconds": 0}, r"timeout_seconds must be a positive number of seconds, at most 604800 \(one week\); got 0"),
     ({"replicas_per_worker": 2, "devices": ["cpu"]}, "devices must be a list with one device per local replica"),
 ])
 def test_bad_arguments_are_clear_errors(kwargs, match):

@@ -243,7 +243,7 @@ def test_run_bad_arguments(strategy, kwargs, exc, match):
     ({"devices": ["cpu", "nope"]}, r"devices\[1\] must be a device such as 'cpu', 'cuda:0' or a torch\.device; got 'nope'"),
     ({"devices": ["cpu", 3.5]}, r"devices\[1\] must be a device such as 'cpu'.*; got 3\.5"),
     ({"num_replicas": 3, "devices": ["cpu", "cpu"]}, r"num_replicas=3 does not match the 2 devices given"),
-    ({"timeout_seconds": 0}, r"timeout_seconds must be a positive number; got 0"),
+    ({"timeout_seconds": 0}, r"timeout_seconds must be a positive number of seconds, at most 604800 \(one week\); got 0"),
 ])
 def test_mirrored_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

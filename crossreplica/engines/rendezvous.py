@@ -145,6 +145,7 @@ class Rendezvous:
                 self._outcome[j] = self._error
                 self._wake[j].release()
         self._arrived = 0
+        self._payloads = [None] * self.n  # the failed round's tensors are not kept until the next run
         return self._error
 
     def _fail_finished(self, done: list[int]) -> _Failure:

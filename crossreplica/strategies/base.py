@@ -22,7 +22,7 @@ from ..context import ReplicaContext
 from ..cross_device_ops import AllReduceCrossDeviceOps, CrossDeviceOps
 from ..engines.base import MERGE_CALL, Engine, check_agreement
 from ..engines.reduction import reduce_into
-from ..errors import ReplicaContextError
+from ..errors import ReplicaContextError, summarize
 from ..reduce_op import ReduceOp, check_dtype, reduce_non_distributed_value
 from ..values import DistributedValues, Mirrored, regroup, select_replica, select_replica_mirrored
 from .replica_threads import ReplicaThreads, raise_first_failure
@@ -41,7 +41,7 @@ class StrategyExtended:
             if not isinstance(cross_device_ops, CrossDeviceOps):
                 raise ValueError(
                     f"cross_device_ops must be a cr.CrossDeviceOps (e.g. cr.ReductionToOneDevice() or "
-                    f"cr.AllReduceCrossDeviceOps()) or None; got {cross_device_ops!r}")
+                    f"cr.AllReduceCrossDeviceOps()) or None; got {summarize(cross_device_ops)}")
         self.cross_device_ops = cross_device_ops
         n = len(self.worker_devices)
         self._running = False
@@ -254,11 +254,11 @@ class StrategyExtended:
         """
         self._require_cross_replica("update")
         if not callable(fn):
-            raise TypeError(f"fn must be callable as fn(var, *args, **kwargs); got {fn!r}")
+            raise TypeError(f"fn must be callable as fn(var, *args, **kwargs); got {summarize(fn)}")
         if isinstance(args, (str, bytes)) or not isinstance(args, (tuple, list)):
-            raise TypeError(f"args must be a tuple of positional arguments; got {args!r}")
+            raise TypeError(f"args must be a tuple of positional arguments; got {summarize(args)}")
         if kwargs is not None and not isinstance(kwargs, dict):
-            raise TypeError(f"kwargs must be a dict or None; got {kwargs!r}")
+            raise TypeError(f"kwargs must be a dict or None; got {summarize(kwargs)}")
         kwargs = kwargs or {}
         copies = var.values if isinstance(var, DistributedValues) else (var,)
         results = []
@@ -310,11 +310,11 @@ class Strategy:
         also an instance of the original exception's type.
         """
         if not callable(fn):
-            raise TypeError(f"fn must be callable; got {fn!r}")
+            raise TypeError(f"fn must be callable; got {summarize(fn)}")
         if isinstance(args, (str, bytes)) or not isinstance(args, (tuple, list)):
-            raise TypeError(f"args must be a tuple or list of positional arguments; got {args!r}")
+            raise TypeError(f"args must be a tuple or list of positional arguments; got {summarize(args)}")
         if kwargs is not None and not isinstance(kwargs, dict):
-            raise TypeError(f"kwargs must be a dict or None; got {kwargs!r}")
+            raise TypeError(f"kwargs must be a dict or None; got {summarize(kwargs)}")
         if context.get_replica_context() is not None:
             raise ReplicaContextError(
                 "strategy.run was called inside a replica function; call it from the main program "
@@ -367,7 +367,7 @@ class Strategy:
         self._check_distributed(("value", value))
         op = ReduceOp.from_any(reduce_op, "reduce_op")
         if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int)):
-            raise TypeError(f"axis must be an int or None; got {axis!r}")
+            raise TypeError(f"axis must be an int or None; got {summarize(axis)}")
         return nest.map_structure(lambda v: self._reduce_one(op, v, axis), value)
 
     def _reduce_one(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
@@ -398,7 +398,7 @@ class Strategy:
         self._require_cross_replica("gather")
         self._check_distributed(("value", value))
         if isinstance(axis, bool) or not isinstance(axis, int):
-            raise TypeError(f"axis must be an int; got {axis!r}")
+            raise TypeError(f"axis must be an int; got {summarize(axis)}")
 
         def one(v: Any) -> Any:
             tensors = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t)

@@ -6,10 +6,12 @@ from typing import Any, Sequence
 
 import torch
 
+from ..devices import canonical_device
 from ..engines.base import DEFAULT_TIMEOUT
 from ..engines.threads import ThreadsEngine
+from ..errors import summarize
+from ..timeouts import canonical_timeout
 from .base import Strategy, StrategyExtended
-from ..devices import canonical_device
 
 __all__ = ["MirroredStrategy"]
 
@@ -27,19 +29,19 @@ class MirroredStrategy(Strategy):
             context (default: ``AllReduceCrossDeviceOps``).
         timeout_seconds: how long a collective waits for missing replicas
             before raising CollectiveTimeoutError (env CROSSREPLICA_TIMEOUT,
-            default 300).
+            default 300); a finite number of seconds up to a week.
     """
 
     def __init__(self, num_replicas: int | None = None, devices: Sequence[Any] | None = None,
                  cross_device_ops: Any = None, *, timeout_seconds: float | None = None):
         if num_replicas is not None and (isinstance(num_replicas, bool) or not isinstance(num_replicas, int)
                                          or num_replicas < 1):
-            raise ValueError(f"num_replicas must be a positive int or None; got {num_replicas!r}")
+            raise ValueError(f"num_replicas must be a positive int or None; got {summarize(num_replicas)}")
         if devices is not None:
             if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence) or not devices:
                 raise ValueError(
                     f"devices must be a non-empty list with one device per replica, e.g. ['cpu', 'cpu']; "
-                    f"got {devices!r}")
+                    f"got {summarize(devices)}")
             devs = [canonical_device(d, f"devices[{i}]") for i, d in enumerate(devices)]
             if num_replicas is not None and num_replicas != len(devs):
                 raise ValueError(
@@ -50,7 +52,6 @@ class MirroredStrategy(Strategy):
             n = num_replicas if num_replicas is not None else max(gpus, 1)
             devs = ([torch.device("cuda", i % gpus) for i in range(n)] if gpus
                     else [torch.device("cpu")] * n)
-        timeout = DEFAULT_TIMEOUT if timeout_seconds is None else float(timeout_seconds)
-        if not timeout > 0:
-            raise ValueError(f"timeout_seconds must be a positive number; got {timeout_seconds!r}")
+        timeout = (canonical_timeout(DEFAULT_TIMEOUT, "CROSSREPLICA_TIMEOUT") if timeout_seconds is None
+                   else canonical_timeout(timeout_seconds, "timeout_seconds"))
         self.extended = StrategyExtended(self, devs, ThreadsEngine(devs, timeout), cross_device_ops)

@@ -28,8 +28,10 @@ from ..engines.hierarchical import HierarchicalEngine
 from ..engines.torch_dist import TorchDistEngine
 from ..groups import Groups
 from ..reduce_op import ReduceOp
+from ..timeouts import canonical_timeout
 from .base import Strategy, StrategyExtended
 from ..devices import canonical_device
+from ..errors import summarize
 
 __all__ = ["MultiWorkerMirroredStrategy", "MultiWorkerExtended"]
 
@@ -43,7 +45,7 @@ def _env_int(name: str, default: int | None = None) -> int | None:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer; got {raw!r}") from None
+        raise ValueError(f"environment variable {name} must be an integer; got {summarize(raw)}") from None
 
 
 def _truthy(raw: str | None) -> bool:
@@ -182,13 +184,11 @@ class MultiWorkerMirroredStrategy(Strategy):
                  ordered_reductions: bool = True):
         if isinstance(replicas_per_worker, bool) or not isinstance(replicas_per_worker, int) \
                 or replicas_per_worker < 1:
-            raise ValueError(f"replicas_per_worker must be a positive int; got {replicas_per_worker!r}")
+            raise ValueError(f"replicas_per_worker must be a positive int; got {summarize(replicas_per_worker)}")
         if backend is not None and backend not in _BACKENDS:
-            raise ValueError(f"backend must be one of {list(_BACKENDS)} or None (automatic); got {backend!r}")
-        timeout = DEFAULT_TIMEOUT if timeout_seconds is None else timeout_seconds
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout_seconds must be a positive number; got {timeout_seconds!r}")
-        timeout = float(timeout)
+            raise ValueError(f"backend must be one of {list(_BACKENDS)} or None (automatic); got {summarize(backend)}")
+        timeout = (canonical_timeout(DEFAULT_TIMEOUT, "CROSSREPLICA_TIMEOUT") if timeout_seconds is None
+                   else canonical_timeout(timeout_seconds, "timeout_seconds"))
         if check_collectives is None:
             check_collectives = _truthy(os.environ.get("CROSSREPLICA_CHECK_COLLECTIVES"))
         local_rank = _env_int("LOCAL_RANK", 0) or 0
@@ -218,10 +218,10 @@ class MultiWorkerMirroredStrategy(Strategy):
                     or len(devices) != r:
                 raise ValueError(
                     f"devices must be a list with one device per local replica ({r}, from "
-                    f"replicas_per_worker); got {devices!r}")
+                    f"replicas_per_worker); got {summarize(devices)}")
             devs = [canonical_device(d, f"devices[{i}]") for i, d in enumerate(devices)]
             if len({d.type for d in devs}) != 1:
-                raise ValueError(f"devices must all be CPU or all CUDA; got {devices!r}")
+                raise ValueError(f"devices must all be CPU or all CUDA; got {summarize(devices)}")
             return devs
         if backend != "gloo" and torch.cuda.is_available() and torch.cuda.device_count():
             n = torch.cuda.device_count()

@@ -4,12 +4,25 @@ A run hands each thread the same body; each thread waits on a lock of its own
 for work, and the last thread to finish wakes the caller. A replica that
 raises calls ``on_error`` at once, so the engine can release the others
 instead of letting them wait for a peer that will never arrive.
+
+Lifetime (what keeps exit clean and failures leak-free):
+
+* nothing outlives a run: the results and errors are handed to the caller and
+  dropped here, and a failed replica's traceback frames are cleared in its own
+  thread, so neither its tensors nor the strategy stay reachable from threads
+  that live on;
+* every thread told to stop is joined, with a bounded wait, by whoever stopped
+  it (a closed strategy, an abandoned run's replacement) and at the latest by
+  an ``atexit`` hook. A daemon thread that still runs when the interpreter
+  finalizes is killed where it stands; inside libtorch that is
+  ``std::terminate`` (exit code 134), so no replica thread may be left awake.
 """
 
 from __future__ import annotations
 
 import atexit
 import threading
+import time
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -19,6 +32,56 @@ __all__ = ["ReplicaThreads", "raise_first_failure"]
 
 _STOP = object()
 _live: "weakref.WeakSet[ReplicaThreads]" = weakref.WeakSet()
+# Threads told to stop (closed, or left behind by an abandoned run) that were not
+# seen to end yet; interpreter exit joins them (bounded) before finalizing.
+_stopping: set[threading.Thread] = set()
+_stopping_lock = threading.Lock()
+
+#: How long closing a strategy waits for its idle threads to end (they end at once
+#: unless the machine is overloaded).
+JOIN_TIMEOUT = 5.0
+#: How long interpreter exit waits, in all, for replica threads that are still busy
+#: (replicas of an abandoned run stuck in user code).
+EXIT_JOIN_TIMEOUT = 5.0
+
+
+def _join(threads: Sequence[threading.Thread], timeout: float) -> None:
+    """Joins ``threads`` (except the calling one) within ``timeout`` seconds in all."""
+    deadline = time.monotonic() + timeout
+    me = threading.current_thread()
+    for t in threads:
+        if t is not me:
+            t.join(max(0.0, deadline - time.monotonic()))
+    with _stopping_lock:
+        _stopping.difference_update([t for t in threads if not t.is_alive()])
+
+
+def _stop(threads: Sequence[threading.Thread]) -> None:
+    with _stopping_lock:
+        _stopping.update(threads)
+
+
+def _clear_frames(exc: BaseException) -> None:
+    """Drops the locals of the finished frames ``exc`` passed through (and of its cause
+    and context), so a stored failure does not keep the replica's tensors, its
+    arguments or the strategy alive. File names and line numbers stay."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen or len(seen) > 100:
+            continue
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None:
+            try:
+                tb.tb_frame.clear()
+            except RuntimeError:  # still executing (this thread's loop): keep it
+                pass
+            tb = tb.tb_next
+        todo.append(e.__cause__)  # type: ignore[arg-type]
+        todo.append(e.__context__)  # type: ignore[arg-type]
 
 
 def _locked() -> threading.Lock:
@@ -38,7 +101,7 @@ class ReplicaThreads:
         self._lock = threading.Lock()
         self._body: Any = None
         self._on_error: Any = None
-        self._results: list[Any] = [None] * n
+        self._results: list[Any] | None = None
         self._errors: list[tuple[int, BaseException]] = []
         self._remaining = 0
         self._threads: list[threading.Thread] = []
@@ -65,18 +128,24 @@ class ReplicaThreads:
                 with self._lock:
                     if generation != self._generation:
                         return  # abandoned: a later run must not see this failure
-                    self._errors.append((i, e))
                     on_error = self._on_error
                 try:
-                    on_error(i, e)
+                    on_error(i, e)  # release the other replicas first
                 except BaseException:  # noqa: BLE001
                     pass
-                del e
+                on_error = None
+                # The failure is kept until run raises it (and by the user after):
+                # without its frames' locals, so it holds no tensors and no strategy.
+                _clear_frames(e)
+                with self._lock:
+                    if generation != self._generation:
+                        return
+                    self._errors.append((i, e))
             else:
                 with self._lock:
                     if generation != self._generation:
                         return  # abandoned: a later run must not see this result
-                    self._results[i] = result
+                    self._results[i] = result  # type: ignore[index]
             # Drop the body and result (and the strategy they refer to) before idling,
             # so an unused strategy can be collected and its finalizer stop these threads.
             body = result = None
@@ -104,8 +173,8 @@ class ReplicaThreads:
             self._start()
         self.busy = True
         self._body, self._on_error = body, on_error
-        self._results = [None] * self.n
-        self._errors = []
+        self._results = results = [None] * self.n
+        self._errors = errors = []
         self._remaining = self.n
         try:
             for g in self._go:
@@ -116,47 +185,69 @@ class ReplicaThreads:
                     break
                 elif self._errors:
                     break
-            errors = list(self._errors)
-            results = self._results
+            errors = list(errors)
         finally:
-            self._body = self._on_error = None
+            # Nothing of the run stays here: results and errors belong to the caller.
+            self._body = self._on_error = self._results = None
+            self._errors = []
             self.busy = False
         if errors:
+            results = None
             raise_first_failure(errors, names)
         return results
 
     def _abandon(self) -> None:
-        """Leaves the current threads to finish on their own; the next run starts new ones."""
+        """Leaves the current threads to finish on their own; the next run starts new ones.
+
+        The idle ones are woken and end at once (they see the new generation); a
+        replica still stuck in user code ends when it returns. Both are joined at
+        the latest at interpreter exit.
+        """
         with self._lock:
             self._generation += 1
+        old_go, old_threads = self._go, self._threads
         self._go = [_locked() for _ in range(self.n)]
         self._done = _locked()
         self._threads = []
-
-    def close(self, join_timeout: float | None = None) -> None:
-        """Stops the threads (idle ones at once; a busy run is left to finish).
-
-        Called from the strategy's finalizer, which may run on one of these very
-        threads, so joining is optional (interpreter exit joins briefly).
-        """
-        if self._threads and not self.busy:
-            self._body = _STOP
-            for g in self._go:
+        _stop(old_threads)
+        for g in old_go:
+            try:
                 g.release()
-            if join_timeout is not None:
-                me = threading.current_thread()
-                for t in self._threads:
-                    if t is not me:
-                        t.join(join_timeout)
-            self._threads = []
+            except RuntimeError:  # not taken yet: its thread will see the new generation
+                pass
+
+    def close(self, join_timeout: float = JOIN_TIMEOUT) -> None:
+        """Stops the idle threads and waits up to ``join_timeout`` seconds for them to end.
+
+        A busy run is left to finish. Called from the strategy's finalizer, which
+        may run on one of these very threads: then nobody is joined here (the
+        others end at once; interpreter exit joins them if need be).
+        """
+        if not self._threads or self.busy:
+            return
+        threads, self._threads = self._threads, []
+        self._body = _STOP
+        _stop(threads)
+        old_go, self._go = self._go, [_locked() for _ in range(self.n)]
+        for g in old_go:
+            try:
+                g.release()
+            except RuntimeError:  # not taken yet: its thread will find _STOP
+                pass
+        if threading.current_thread() not in threads:
+            _join(threads, join_timeout)
 
 
 @atexit.register
 def _close_all() -> None:
-    # Stop idle replica threads before the interpreter (and torch's thread
-    # pools) shut down underneath them.
+    # Every replica thread must have ended before the interpreter (and torch's
+    # thread pools) finalize: one that wakes up during finalization dies where
+    # it stands, which inside libtorch is std::terminate (exit code 134).
     for threads in list(_live):
-        threads.close(join_timeout=0.2)
+        threads.close(join_timeout=0.0)  # tell every one to stop, then join them together
+    with _stopping_lock:
+        pending = list(_stopping)
+    _join(pending, EXIT_JOIN_TIMEOUT)
 
 
 def raise_first_failure(errors: list[tuple[int, BaseException]], names: Sequence[int] | None = None) -> None:

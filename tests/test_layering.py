@@ -1,0 +1,117 @@
+"""The package's layering: each module imports only from its own layer or below.
+
+The layers, bottom to top, as docs/architecture.md draws them. An import of a
+higher layer, an internal import done inside a function (a lazy import hides a
+cycle) or an engine reaching into another engine's private names fails here.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "crossreplica"
+
+# module (dotted, relative to crossreplica; a package name covers its modules) -> layer
+LAYERS: dict[str, int] = {
+    "errors": 0, "reduce_op": 0, "arguments": 0, "devices": 0, "nest": 0, "groups": 0,
+    "values": 0, "packing": 0, "version": 0, "timeouts": 0,
+    "engines": 1,
+    "context": 2,
+    "collectives": 3,
+    "cross_device_ops": 4,
+    "strategies": 5, "optim": 5, "data": 5, "nn": 5, "checkpoint": 5,
+    "demo": 6, "cli": 6, "testing": 6,
+    "__init__": 7, "__main__": 7,
+}
+CONCRETE_ENGINES = ("threads", "torch_dist", "hierarchical")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts.pop()
+    return ".".join(parts)
+
+
+def _layer(module: str) -> int:
+    name = module
+    while name:
+        if name in LAYERS:
+            return LAYERS[name]
+        name = name.rpartition(".")[0]
+    raise KeyError(f"crossreplica.{module} has no layer: add it to LAYERS and to docs/architecture.md")
+
+
+def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> list[str]:
+    """The crossreplica modules an ``import from`` names (relative or absolute)."""
+    if node.level == 0:
+        if not (node.module or "").startswith("crossreplica"):
+            return []
+        base = (node.module or "").removeprefix("crossreplica").lstrip(".")
+    else:
+        here = module.split(".") if is_package else module.split(".")[:-1]
+        if node.level > 1:
+            here = here[:len(here) - (node.level - 1)]
+        base = ".".join(here + ([node.module] if node.module else []))
+    if node.module is None or node.level == 0 and base == "":
+        return [f"{base}.{a.name}".lstrip(".") for a in node.names]
+    return [base]
+
+
+def _imports(path: pathlib.Path) -> list[tuple[ast.ImportFrom | ast.Import, bool]]:
+    """Every import statement of the file, and whether it sits inside a function."""
+    tree = ast.parse(path.read_text(), str(path))
+    found: list[tuple[ast.ImportFrom | ast.Import, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append((child, in_function))
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+    visit(tree, False)
+    return found
+
+
+FILES = sorted(ROOT.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_point_down(path):
+    module = _module_name(path)
+    layer = _layer(module)
+    for node, in_function in _imports(path):
+        if isinstance(node, ast.Import):
+            targets = [a.name.removeprefix("crossreplica").lstrip(".") for a in node.names
+                       if a.name.startswith("crossreplica")]
+        else:
+            targets = _resolve(module, path.name == "__init__.py", node)
+        for target in targets:
+            where = f"crossreplica.{module} line {node.lineno}"
+            assert not in_function, f"{where} imports crossreplica.{target} inside a function"
+            if target == "" or target.split(".")[0] == module.split(".")[0]:
+                continue  # the package itself, or a module of its own package
+            assert _layer(target) <= layer, (
+                f"{where} imports crossreplica.{target} (layer {_layer(target)}) from layer {layer}")
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "engines").rglob("*.py")),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_engines_use_no_other_engine_private_names(path):
+    module = _module_name(path)
+    own = module.split(".")[1] if module.count(".") >= 1 else ""
+    for node, _ in _imports(path):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        for target in _resolve(module, path.name == "__init__.py", node):
+            parts = target.split(".")
+            if len(parts) > 1 and parts[0] == "engines" and parts[1] in CONCRETE_ENGINES and parts[1] != own:
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"crossreplica.{module} imports private {private} from crossreplica.{target}"
+
+
+def test_every_module_is_small():
+    too_long = {str(p.relative_to(ROOT)): n for p in FILES if (n := len(p.read_text().splitlines())) > 450}
+    assert not too_long, f"modules over 450 lines: {too_long}"
