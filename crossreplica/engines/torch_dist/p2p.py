@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ...packing import byte_pack_size, pack_bytes, unpack_bytes
+from ..base import scatter_slice
 from .plan import Step
 
 if TYPE_CHECKING:
@@ -62,10 +63,11 @@ def exchange(eng: TorchDistEngine, sends: dict[int, list[torch.Tensor]],
     return {worker: unpack_bytes(inbox[worker], recvs[worker])[0] for worker in recvs}
 
 
-def _chunk(x: torch.Tensor, split_dim: int, position: int, k: int) -> torch.Tensor:
-    """The ``position``-th of ``k`` equal chunks of ``x`` along ``split_dim``."""
-    size = x.shape[split_dim] // k
-    return x.narrow(split_dim, position * size, size)
+def _chunk(x: torch.Tensor, split_dim: int, position: int, k: int, splits: Sequence[int] | None) -> torch.Tensor:
+    """The chunk of ``x`` along ``split_dim`` for the member at ``position`` of ``k``:
+    equal chunks, or the sender's own split sizes."""
+    start, length = scatter_slice(x.shape[split_dim], position, k, splits)
+    return x.narrow(split_dim, start, length)
 
 
 def all_to_all(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
@@ -79,18 +81,21 @@ def all_to_all(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
         if not entry.local:
             continue
         group, k = entry.group, len(entry.group)
-        ref = payloads[index[entry.local[0]]]
-        split_dims = step.params[entry.local[0]][0]
         for sender in group:
             for receiver in group:
                 sender_worker, receiver_worker = sender // per_worker, receiver // per_worker
                 if sender_worker == eng.rank and receiver_worker != eng.rank:
+                    split_dims, _, in_splits, _ = step.params[sender]
                     sends.setdefault(receiver_worker, []).extend(
-                        _chunk(payloads[index[sender]][leaf], split_dims[leaf], group.index(receiver), k)
+                        _chunk(payloads[index[sender]][leaf], split_dims[leaf], group.index(receiver), k, in_splits)
                         for leaf in leaves)
                 elif receiver_worker == eng.rank and sender_worker != eng.rank:
+                    # what arrives: the receiver's own shape, cut by its output split sizes
+                    mine = payloads[index[receiver]]
+                    split_dims, _, _, out_splits = step.params[receiver]
                     recvs.setdefault(sender_worker, []).extend(
-                        (tuple(_chunk(ref[leaf], split_dims[leaf], 0, k).shape), ref[leaf].dtype)
+                        (_incoming(mine[leaf].shape, split_dims[leaf], group.index(sender), k, out_splits),
+                         mine[leaf].dtype)
                         for leaf in leaves)
                     order.setdefault(sender_worker, []).append((sender, receiver))
     inbox = exchange(eng, sends, recvs)
@@ -102,19 +107,29 @@ def all_to_all(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
     for i, receiver in enumerate(eng.local_replica_ids):
         group = next(group for group in step.call.groups if receiver in group)
         k, device = len(group), eng.devices[i]
-        split_dims, concat_dims = step.params[receiver]
+        concat_dims = step.params[receiver][1]
         row = []
         for leaf in leaves:
             pieces = []
             for sender in group:
                 if sender // per_worker == eng.rank:
+                    split_dims, _, in_splits, _ = step.params[sender]
                     pieces.append(_chunk(payloads[index[sender]][leaf], split_dims[leaf], group.index(receiver),
-                                         k).to(device))
+                                         k, in_splits).to(device))
                 else:
                     pieces.append(received[(sender, receiver)][leaf].to(device))
             row.append(torch.cat(pieces, concat_dims[leaf]))
         outs.append(row)
     return outs
+
+
+def _incoming(shape: Sequence[int], dim: int, position: int, k: int,
+              out_splits: Sequence[int] | None) -> tuple[int, ...]:
+    """The shape of what a receiver of ``shape`` gets from the member at ``position``: equal
+    chunks of its own extent, or its own output split sizes (shapes agree off ``dim``)."""
+    out = list(shape)
+    out[dim] = shape[dim] // k if out_splits is None else out_splits[position]
+    return tuple(out)
 
 
 def permute(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
