@@ -186,8 +186,8 @@ def dual(kind: Kind, groups: Groups, params: tuple, grads: list[torch.Tensor], s
         total = run(Kind.ALL_REDUCE, groups, (ReduceOp.SUM,), grads)
         source = params[0]
         if isinstance(rid, torch.Tensor):
-            at_source = torch.tensor([group_of(groups, r).index(r) == source for r in range(sum(map(len, groups)))],
-                                     device=total[0].device if total else None)[rid]
+            sources = torch.tensor([g[source] for g in groups], dtype=rid.dtype, device=rid.device)
+            at_source = (sources == rid).any()
             return [torch.where(at_source, t, t.new_zeros(())) for t in total]
         if group_of(groups, rid).index(rid) == source:
             return total
