@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 
 from ...packing import byte_pack_size, pack_bytes, unpack_bytes
+from ...errors import CollectiveMismatchError
 from ..base import scatter_slice
+from .gather import gather_fixed
 from .plan import Step
 
 if TYPE_CHECKING:
@@ -70,7 +72,35 @@ def _chunk(x: torch.Tensor, split_dim: int, position: int, k: int, splits: Seque
     return x.narrow(split_dim, start, length)
 
 
+def _check_split_sizes(eng: TorchDistEngine, step: Step) -> None:
+    """Every worker learns every replica's split sizes (one small all-gather), so sizes that
+    do not match (member i sends j other than j expects from i) are a CollectiveMismatchError
+    on every worker, never a corrupt exchange. Every all_to_all pays it: whether a peer
+    passes split sizes is not known locally."""
+    groups = step.call.groups
+    k = len(groups[0])
+    rows = []
+    for i, rid in enumerate(eng.local_replica_ids):
+        split_dims, _, in_splits, out_splits = step.params[rid]
+        extent = step.payloads[i][0].shape[split_dims[0]] if step.payloads[i] else 0
+        even = [extent // k] * k
+        rows.extend([*(in_splits or even), *(out_splits or even)])
+    meta = torch.tensor(rows, dtype=torch.int64, device=eng.comm_device)
+    sizes = gather_fixed(eng, meta, None, tuple(range(eng.world_size))).cpu().view(-1, 2, k).tolist()
+    for group in groups:
+        for i, sender in enumerate(group):
+            for j, receiver in enumerate(group):
+                if sizes[sender][0][j] != sizes[receiver][1][i]:
+                    lines = "\n".join(f"  replica {r}: input_split_sizes={sizes[r][0]}, "
+                                      f"output_split_sizes={sizes[r][1]}" for r in group)
+                    raise CollectiveMismatchError(
+                        f"all_to_all split sizes do not match: replica {sender} sends replica {receiver} "
+                        f"{sizes[sender][0][j]} rows, which expects {sizes[receiver][1][i]} (each member's "
+                        f"output_split_sizes[i] must equal member i's input_split_sizes for it):\n{lines}")
+
+
 def all_to_all(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
+    _check_split_sizes(eng, step)
     index, per_worker, payloads = eng.local_index, eng.replicas_per_worker, step.payloads
     n_leaves = len(payloads[0])
     leaves = range(n_leaves)
