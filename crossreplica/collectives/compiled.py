@@ -113,7 +113,9 @@ def _impl(kind: Kind):
                     f"cr.all_gather under torch.compile needs the same size along the gather dim on every "
                     f"member of a group; got sizes {sizes.t().tolist()} (one row per leaf, one column per "
                     f"member); call it eagerly for uneven parts")
-        return outs
+        # Compiled code wants fresh, aligned outputs; an engine may hand out views of one
+        # packed buffer (torch_dist's fused all-reduce).
+        return [o.clone() if o._base is not None else o for o in outs]
     return impl
 
 
