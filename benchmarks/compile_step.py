@@ -4,9 +4,12 @@ A small MLP 64-128-128-10 (global batch 128, SGD lr 0.1) on 2 in-process
 replicas (MirroredStrategy, one intra-op thread each). The step is one
 function: forward with a cross-replica mean of the hidden activations (a
 distributed-batch-norm-like statistic, so the backward crosses replicas too),
-gradients by ``torch.func.grad_and_value``, ``cr.all_reduce(grads, "mean")``
-and the update. The compiled variant is ``torch.compile(step, fullgraph=True)``
-of the same function: the collectives are custom operators in its graph.
+gradients by ``torch.autograd.grad``, then ``cr.all_reduce(grads, "mean")`` and
+the update. The compiled variant compiles the loss and the update with
+``torch.compile(fullgraph=True)`` (the backward is AOTAutograd's, compiled with
+the loss); the collectives are custom operators in their graphs.
+(``torch.func.grad`` of a compiled collective is not supported by torch 2.13's
+custom-operator autograd, so the step is not one function transform.)
 
 Both variants run in the same process, interleaved round by round; the table
 gives the median ms per step over the rounds and the ratio compiled / eager.
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any, Callable
 
 import torch
 from torch.nn import functional as F
@@ -46,13 +50,23 @@ def loss_fn(params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> tor
     return F.cross_entropy(h @ w3 + b3, y)
 
 
-def step(params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-    grads, loss = torch.func.grad_and_value(loss_fn)(params, x, y)
+def update(params: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
     grads = cr.all_reduce(grads, "mean")
-    return [p - 0.1 * g for p, g in zip(params, grads)], loss
+    return [p - 0.1 * g for p, g in zip(params, grads)]
 
 
-compiled_step = torch.compile(step, fullgraph=True)
+def make_step(loss: Callable[..., torch.Tensor], upd: Callable[..., list[torch.Tensor]]) -> Callable[..., Any]:
+    def step(params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        params = [p.detach().requires_grad_(True) for p in params]
+        value = loss(params, x, y)
+        grads = torch.autograd.grad(value, params)
+        with torch.no_grad():
+            return upd([p.detach() for p in params], list(grads)), value.detach()
+    return step
+
+
+step = make_step(loss_fn, update)
+compiled_step = make_step(torch.compile(loss_fn, fullgraph=True), torch.compile(update, fullgraph=True))
 
 
 def replica(params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor, fn_name: str, steps: int) -> float:
