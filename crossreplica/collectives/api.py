@@ -44,9 +44,12 @@ __all__ = [
 
 # --------------------------------------------------------------------------- plumbing
 
+_is_compiling = torch.compiler.is_compiling
+
+
 def _context(api: str) -> ReplicaContext | None:
     """The replica context; None while torch.compile traces (the operators find it at run time)."""
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         return None
     return require_replica_context(api)
 

@@ -33,6 +33,8 @@ class Leaves:
         self.leaves, self.spec, self.where, self.tensors = leaves, spec, where, tensors
 
     def repack(self, outs: Sequence[torch.Tensor]) -> Any:
+        if self.spec is _SINGLE:  # a bare tensor: the hot path
+            return outs[0]
         leaves = list(self.leaves)
         for p, o in zip(self.where, outs):
             leaves[p] = o
