@@ -28,17 +28,17 @@ from . import autodiff, compiled
 from .leaves import check_dim, check_splits, replica_index, tensor_leaves
 
 __all__ = [
-    "all_reduce",
-    "cross_replica_sum",
-    "cross_replica_mean",
-    "cross_replica_average",
     "all_gather",
-    "reduce_scatter",
+    "all_reduce",
     "all_to_all",
     "broadcast",
     "collective_permute",
-    "replica_id",
+    "cross_replica_average",
+    "cross_replica_mean",
+    "cross_replica_sum",
     "num_replicas",
+    "reduce_scatter",
+    "replica_id",
 ]
 
 

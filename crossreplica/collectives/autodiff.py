@@ -147,7 +147,7 @@ def batched_params(kind: Kind, params: tuple, batched: Sequence[bool]) -> tuple:
 
 
 def dual(kind: Kind, groups: Groups, params: tuple, grads: list[torch.Tensor], saved: Sequence[torch.Tensor],
-         sizes: Any, rid: int | torch.Tensor, run: Run) -> list[torch.Tensor | None]:
+         sizes: Any, rid: int | torch.Tensor, run: Run) -> Sequence[torch.Tensor | None]:
     """Input cotangents of a collective: the dual collective on the output cotangents.
 
     ``sizes``: an all_gather's per-leaf member sizes (None: equal parts); ``rid``: this

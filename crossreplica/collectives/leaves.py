@@ -27,7 +27,7 @@ _NUMBERS = (bool, int, float, complex)
 class Leaves:
     """A flattened nest: where its tensors are, and how to rebuild it around outputs."""
 
-    __slots__ = ("leaves", "spec", "where", "tensors")
+    __slots__ = ("leaves", "spec", "tensors", "where")
 
     def __init__(self, leaves: list, spec: Any, where: list[int], tensors: list[torch.Tensor]):
         self.leaves, self.spec, self.where, self.tensors = leaves, spec, where, tensors

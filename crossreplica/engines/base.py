@@ -185,13 +185,10 @@ def _params_agree(a: Call, b: Call) -> bool:
 def _shapes_agree(a: Call, b: Call) -> bool:
     """Shapes agree exactly, except along an all_gather's gather dims (uneven parts) and
     an uneven all_to_all's split dims."""
-    if a.kind is Kind.ALL_GATHER:
-        dims = a.params[0]
-    elif a.kind is Kind.ALL_TO_ALL and (a.params[2] is not None or a.params[3] is not None
-                                        or b.params[2] is not None or b.params[3] is not None):
-        dims = a.params[0]
-    else:
+    uneven_a2a = a.kind is Kind.ALL_TO_ALL and any(p is not None for p in (*a.params[2:], *b.params[2:]))
+    if a.kind is not Kind.ALL_GATHER and not uneven_a2a:
         return a.shapes == b.shapes
+    dims = a.params[0]
     if len(a.shapes) != len(b.shapes):
         return False
     for d, sa, sb in zip(dims, a.shapes, b.shapes):

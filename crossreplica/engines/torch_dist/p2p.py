@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ...packing import byte_pack_size, pack_bytes, unpack_bytes
 from ...errors import CollectiveMismatchError
+from ...packing import byte_pack_size, pack_bytes, unpack_bytes
 from ..base import scatter_slice
 from .gather import gather_fixed
 from .plan import Step
