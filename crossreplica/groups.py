@@ -11,11 +11,18 @@ Accepted spellings:
   * 2-D: ``[[0, 1], [2, 3]]``.
   * flat, one group index per replica: ``[0, 0, 1, 1]``.
   * a :class:`Mesh` and axis names: replicas that differ only along those axes.
+  * a Mesh, axis names and a group assignment: the assignment splits every
+    group of the named axes by *position within that group* (the row-major
+    index over the named axes, in the mesh's axis order), as JAX's
+    ``axis_index_groups`` index the named axes.
+
+Caches are plain dicts, not ``functools.lru_cache``: torch.compile traces the
+group resolution of a compiled replica step, and Dynamo warns about (and
+ignores) lru_cache wrappers.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import operator
@@ -31,6 +38,7 @@ __all__ = [
     "contiguous_groups",
     "strided_groups",
     "group_of",
+    "mesh_groups",
     "Mesh",
 ]
 
@@ -66,21 +74,30 @@ def canonical_groups(group_assignment: Any, num_replicas: int,
     if group_assignment is None:
         return _all_replicas(num_replicas)
     if isinstance(group_assignment, tuple) and all(type(g) is tuple for g in group_assignment):
+        key = (group_assignment, num_replicas, argname)
         try:
-            return _canonical_cached(group_assignment, num_replicas, argname)
+            cached = _CANONICAL.get(key)
         except TypeError:  # unhashable member: validate uncached for the message
-            pass
+            return _canonical(group_assignment, num_replicas, argname)
+        if cached is None:
+            cached = _canonical(group_assignment, num_replicas, argname)
+            if len(_CANONICAL) < 256:
+                _CANONICAL[key] = cached
+        return cached
     return _canonical(group_assignment, num_replicas, argname)
 
 
-@functools.lru_cache(maxsize=None)
+# Canonical forms of already-canonical assignments (the form every layer above passes
+# again), and of the one group of every replica: immutable values, so a shared cache.
+_CANONICAL: dict[tuple, Groups] = {}
+_ALL: dict[int, Groups] = {}
+
+
 def _all_replicas(n: int) -> Groups:
-    return (tuple(range(n)),)
-
-
-@functools.lru_cache(maxsize=256)
-def _canonical_cached(ga: tuple, n: int, argname: str) -> Groups:
-    return _canonical(ga, n, argname)
+    groups = _ALL.get(n)
+    if groups is None:
+        groups = _ALL[n] = (tuple(range(n)),)
+    return groups
 
 
 def _canonical(group_assignment: Any, n: int, argname: str) -> Groups:
@@ -171,22 +188,34 @@ def _from_flat(index: list[int], n: int, argname: str, original: Any) -> Groups:
 
 def resolve_groups(num_replicas: int, group_assignment: Any = None, mesh: "Mesh | None" = None,
                    axes: Any = None) -> Groups:
-    """One canonical form from either a group assignment or a mesh and axes."""
+    """One canonical form from a group assignment, a mesh and axes, or both.
+
+    With a mesh, ``axes`` (default: every axis) names the groups; a
+    ``group_assignment`` given as well splits each of them by position within
+    the group (0..group_size-1; see the module docstring), e.g. on
+    ``Mesh({"data": 2, "model": 4})`` with ``axes="model"``, ``[[0, 1], [2, 3]]``
+    pairs neighbouring model positions within every data row.
+    """
     if mesh is not None:
-        if group_assignment is not None:
-            raise ValueError(
-                f"pass either group_assignment or mesh/axes, not both; got group_assignment="
-                f"{summarize(group_assignment)} and mesh={summarize(mesh)}")
-        if not isinstance(mesh, Mesh):
-            raise ValueError(f"mesh must be a cr.Mesh; got {summarize(mesh)}")
-        if mesh.size != num_replicas:
-            raise ValueError(
-                f"mesh {summarize(mesh)} has {mesh.size} devices but {num_replicas} replicas are in sync; "
-                f"the axis sizes must multiply to the replica count")
-        return mesh.group_assignment(mesh.axis_names if axes is None else axes)
+        base = mesh_groups(num_replicas, mesh, axes)
+        if group_assignment is None:
+            return base
+        within = canonical_groups(group_assignment, len(base[0]))
+        return tuple(tuple(g[p] for p in sub) for g in base for sub in within)
     if axes is not None:
         raise ValueError(f"axes={summarize(axes)} needs a mesh; pass mesh=cr.Mesh(...) as well")
     return canonical_groups(group_assignment, num_replicas)
+
+
+def mesh_groups(num_replicas: int, mesh: Any, axes: Any) -> Groups:
+    """The groups of ``mesh`` along ``axes`` (None: every axis), checked against the replica count."""
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a cr.Mesh; got {summarize(mesh)}")
+    if mesh.size != num_replicas:
+        raise ValueError(
+            f"mesh {summarize(mesh)} has {mesh.size} devices but {num_replicas} replicas are in sync; "
+            f"the axis sizes must multiply to the replica count")
+    return mesh.group_assignment(mesh.axis_names if axes is None else axes)
 
 
 def group_of(groups: Groups, replica_id: int) -> tuple[int, ...]:
@@ -255,6 +284,7 @@ class Mesh:
         self._names = tuple(dims)
         self._sizes = tuple(dims.values())
         self._strides = tuple(math.prod(self._sizes[i + 1:]) for i in range(len(self._sizes)))
+        self._cache: dict[tuple[str, ...], Groups] = {}
 
     @property
     def shape(self) -> dict[str, int]:
@@ -324,9 +354,12 @@ class Mesh:
         Groups are ordered row-major over the kept axes and members row-major over
         the reduced ones (Mesh TensorFlow's pnum_to_group).
         """
-        return self._groups(self._axes(axes))
+        axes = self._axes(axes)
+        groups = self._cache.get(axes)
+        if groups is None:
+            groups = self._cache[axes] = self._groups(axes)
+        return groups
 
-    @functools.lru_cache(maxsize=64)
     def _groups(self, axes: tuple[str, ...]) -> Groups:
         kept = [i for i, n in enumerate(self._names) if n not in axes]
         reduced = [i for i, n in enumerate(self._names) if n in axes]

@@ -518,11 +518,11 @@ def test_bad_arguments(run_replicas, time_bound, name, kwargs, shape, exc, match
                                           ("all_to_all", {"split_dim": 0, "concat_dim": 0}), ("broadcast", {}),
                                           ("collective_permute", {"source_target_pairs": [(0, 1)]}),
                                           ("cross_replica_sum", {})])
-@pytest.mark.parametrize("leaf", [1.5, [1, 2], "x"], ids=["float", "list-of-ints", "str"])
+@pytest.mark.parametrize("leaf", ["x", b"y"], ids=["str", "bytes"])
 def test_non_tensor_leaves_are_type_errors(run_replicas, name, kwargs, leaf):
     api = "all_reduce" if name == "cross_replica_sum" else name
     x = {"ok": torch.ones(2), "bad": leaf}
-    with pytest.raises(TypeError, match=rf"cr\.{api}: every leaf of x must be a torch\.Tensor \(or None\); leaf \d is"):
+    with pytest.raises(TypeError, match=rf"cr\.{api}: every leaf of x must be a torch\.Tensor, a Python number \(bool, int, float, complex\) or None; leaf \d is"):
         run_collective(run_replicas, name, kwargs, [x, x])
 
 

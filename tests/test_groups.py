@@ -218,14 +218,26 @@ def test_mesh_size_must_equal_replica_count(run_replicas):
         run_replicas(_mesh_reduce, 2, [torch.ones(1)] * 2, [mesh] * 2, [("model",)] * 2)
 
 
-def _mesh_and_groups(x, mesh):
-    return cr.all_reduce(x, "sum", group_assignment=[[0, 1]], mesh=mesh)
+def _mesh_and_groups(x, mesh, ga):
+    return cr.all_reduce(x, "sum", group_assignment=ga, mesh=mesh, axes="model")
 
 
-def test_mesh_and_group_assignment_together_is_value_error(run_replicas):
-    mesh = cr.Mesh({"d": 2})
-    with pytest.raises(ValueError, match=r"pass either group_assignment or mesh/axes, not both"):
-        run_replicas(_mesh_and_groups, 2, [torch.ones(1)] * 2, [mesh] * 2)
+def test_group_assignment_with_mesh_groups_positions_within_the_axes(run_replicas):
+    # Mesh 2 x 4: the model rows are [0..3] and [4..7]; [[0, 2], [1, 3]] pairs positions
+    # 0/2 and 1/3 within every row: groups [0, 2], [1, 3], [4, 6], [5, 7].
+    mesh = cr.Mesh({"data": 2, "model": 4})
+    xs = [torch.tensor([float(2 ** r)]) for r in range(8)]
+    outs = run_replicas(_mesh_and_groups, 8, xs, [mesh] * 8, [[[0, 2], [1, 3]]] * 8)
+    groups = [[0, 2], [1, 3], [4, 6], [5, 7]]
+    for g in groups:
+        for r in g:
+            assert torch.equal(outs[r], xs[g[0]] + xs[g[1]])
+
+
+def test_group_assignment_with_mesh_is_checked_against_the_axis_size(run_replicas):
+    mesh = cr.Mesh({"data": 1, "model": 2})
+    with pytest.raises(ValueError, match=r"group_assignment names replica 2, outside 0\.\.1"):
+        run_replicas(_mesh_and_groups, 2, [torch.ones(1)] * 2, [mesh] * 2, [[[0, 1, 2]]] * 2)
 
 
 def _axes_without_mesh(x):

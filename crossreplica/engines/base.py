@@ -47,7 +47,9 @@ class Kind(enum.Enum):
     all-reduce writes the results into the input tensors, which must be
     contiguous, and returns them: for callers that own their buffers, such as the
     optimizer's gradient packs); REDUCE_SCATTER ``(op, dims, sizes)``; ALL_GATHER
-    ``(dims,)``; ALL_TO_ALL ``(split_dims, concat_dims)``; BROADCAST ``(source,)``;
+    ``(dims,)``; ALL_TO_ALL ``(split_dims, concat_dims, input_splits, output_splits)`` (the
+    splits are None for equal chunks, or one size per group member, the same for every
+    leaf; they may differ between the members of a group); BROADCAST ``(source,)``;
     PERMUTE ``(pairs,)``. MERGE_CALL, BARRIER and FINISHED (a replica returned from
     its function) carry no tensors and are compared by kind only.
     """
@@ -71,7 +73,7 @@ _MEETINGS = (Kind.MERGE_CALL, Kind.BARRIER)
 # Parameter names per kind, for Call.describe.
 _PARAM_NAMES: dict[Kind, tuple[str, ...]] = {
     Kind.ALL_REDUCE: ("op",), Kind.REDUCE_SCATTER: ("op", "dim"), Kind.ALL_GATHER: ("dim",),
-    Kind.ALL_TO_ALL: ("split_dim", "concat_dim"), Kind.BROADCAST: ("source",), Kind.PERMUTE: ("pairs",)}
+    Kind.ALL_TO_ALL: ("split_dim", "concat_dim", "input_split_sizes", "output_split_sizes"), Kind.BROADCAST: ("source",), Kind.PERMUTE: ("pairs",)}
 
 
 def is_inplace(call: Call) -> bool:
@@ -90,7 +92,8 @@ def check_inplace(payloads: Sequence[Sequence[torch.Tensor]]) -> None:
 
 def scatter_slice(extent: int, pos: int, k: int, sizes: Sequence[int] | None) -> tuple[int, int]:
     """``(start, length)`` along the scattered dim for the member at ``pos`` of ``k``:
-    equal chunks, or the per-member ``sizes`` an uneven all_gather's backward passes."""
+    equal chunks, or the per-member ``sizes`` (an uneven all_gather's backward, an uneven
+    all_to_all's split sizes)."""
     if sizes is None:
         chunk = extent // k
         return pos * chunk, chunk
@@ -141,9 +144,11 @@ FINISHED = Call(Kind.FINISHED, (), ())
 
 def check_agreement(calls: Sequence[Call], names: Sequence[int], shown: Sequence[Call] | None = None) -> None:
     """Raises CollectiveMismatchError unless the calls agree (kind and groups
-    everywhere; parameters, shapes and dtypes within each group).
+    everywhere; parameters, shapes and dtypes within each group; for an uneven
+    all_to_all, what each member sends equals what its peer expects).
 
-    ``names`` are the replica ids of ``calls``, in the same order; the message lists
+    ``names`` are the replica ids of ``calls``, in the same order; group members
+    outside ``names`` (another worker's) are not compared. The message lists
     ``shown`` (the replicas' calls as they made them, when ``calls`` are views of them)."""
     first_call = calls[0]
     ok = all(c.kind is first_call.kind and c.groups == first_call.groups for c in calls)
@@ -151,12 +156,17 @@ def check_agreement(calls: Sequence[Call], names: Sequence[int], shown: Sequence
         pos = {r: i for i, r in enumerate(names)}
         groups = first_call.groups if first_call.kind is not Kind.PERMUTE else (tuple(names),)
         for g in groups:
-            first = calls[pos[g[0]]]
-            for r in g[1:]:
+            members = [r for r in g if r in pos]
+            if not members:
+                continue
+            first = calls[pos[members[0]]]
+            for r in members[1:]:
                 c = calls[pos[r]]
-                if c.params != first.params or c.dtypes != first.dtypes or not _shapes_agree(first, c):
+                if not _params_agree(first, c) or c.dtypes != first.dtypes or not _shapes_agree(first, c):
                     ok = False
                     break
+            if ok and first_call.kind is Kind.ALL_TO_ALL:
+                ok = _splits_agree(g, [calls[pos[r]] if r in pos else None for r in g])
             if not ok:
                 break
     if not ok:
@@ -166,17 +176,47 @@ def check_agreement(calls: Sequence[Call], names: Sequence[int], shown: Sequence
             f"same order, with the same op, group, shapes and dtypes):\n{lines}")
 
 
+def _params_agree(a: Call, b: Call) -> bool:
+    if a.kind is Kind.ALL_TO_ALL:  # split sizes are per member: see _splits_agree
+        return a.params[:2] == b.params[:2]
+    return a.params == b.params
+
+
 def _shapes_agree(a: Call, b: Call) -> bool:
-    """Shapes agree exactly, except along an all_gather's gather dims (uneven parts)."""
-    if a.kind is not Kind.ALL_GATHER:
+    """Shapes agree exactly, except along an all_gather's gather dims (uneven parts) and
+    an uneven all_to_all's split dims."""
+    uneven_a2a = a.kind is Kind.ALL_TO_ALL and any(p is not None for p in (*a.params[2:], *b.params[2:]))
+    if a.kind is not Kind.ALL_GATHER and not uneven_a2a:
         return a.shapes == b.shapes
+    dims = a.params[0]
     if len(a.shapes) != len(b.shapes):
         return False
-    for d, sa, sb in zip(a.params[0], a.shapes, b.shapes):
+    for d, sa, sb in zip(dims, a.shapes, b.shapes):
         if len(sa) != len(sb):
             return False
         if sa[:d] + sa[d + 1:] != sb[:d] + sb[d + 1:]:
             return False
+    return True
+
+
+def _splits_agree(group: tuple[int, ...], calls: Sequence[Call | None]) -> bool:
+    """Member ``i`` sends member ``j`` as many rows as ``j`` expects from ``i``, on every leaf."""
+    k = len(group)
+
+    def sizes(call: Call, which: int, leaf: int) -> Sequence[int]:
+        given = call.params[which]
+        if given is not None:
+            return given
+        extent = call.shapes[leaf][call.params[0][leaf]]
+        return [extent // k] * k
+
+    for leaf in range(len(next(c for c in calls if c is not None).shapes)):
+        for i, sender in enumerate(calls):
+            for j, receiver in enumerate(calls):
+                if sender is None or receiver is None:
+                    continue
+                if sizes(sender, 2, leaf)[j] != sizes(receiver, 3, leaf)[i]:
+                    return False
     return True
 
 

@@ -28,8 +28,9 @@ from .torch_dist import TorchDistEngine
 
 __all__ = ["HierarchicalEngine"]
 
-# Calls whose groups are not narrowed to the local members before comparing.
-_UNGROUPED = (Kind.MERGE_CALL, Kind.BARRIER, Kind.FINISHED, Kind.PERMUTE)
+# Calls whose groups are not narrowed to the local members before comparing (an
+# all_to_all's split sizes are checked by position in the whole group).
+_UNGROUPED = (Kind.MERGE_CALL, Kind.BARRIER, Kind.FINISHED, Kind.PERMUTE, Kind.ALL_TO_ALL)
 
 
 class HierarchicalEngine(TorchDistEngine):

@@ -127,7 +127,9 @@ class ThreadsEngine(Engine):
 
     def _lead(self, calls: list[Call], payloads: list[list[torch.Tensor]]) -> _Plan:
         call = calls[0]
-        if calls.count(call) != len(calls):  # the common case needs one C-level comparison
+        # The common case needs one C-level comparison; an all_to_all's split sizes are
+        # checked against each other even when every replica passed the same ones.
+        if calls.count(call) != len(calls) or call.kind is Kind.ALL_TO_ALL:
             check_agreement(calls, self.local_replica_ids)
         nbytes = sum(math.prod(s) * d.itemsize for s, d in zip(call.shapes, call.dtypes))
         parallel = (self.num_replicas > 1 and nbytes >= PARALLEL_BYTES
@@ -145,7 +147,7 @@ class ThreadsEngine(Engine):
             return self._lead_all_reduce(calls, payloads, parallel)
         if parallel:
             return _Plan([None] * self.num_replicas, True, calls, payloads)
-        outputs = [self._own(calls[i], payloads, i) for i in range(self.num_replicas)]
+        outputs = [self._own(calls, payloads, i) for i in range(self.num_replicas)]
         return _Plan(outputs)
 
     def _part(self, plan: _Plan, i: int) -> list[torch.Tensor] | None:
@@ -153,7 +155,7 @@ class ThreadsEngine(Engine):
         if call.kind is Kind.ALL_REDUCE:
             self._all_reduce_share(call, plan, i)
             return None
-        return self._own(call, plan.payloads, i)
+        return self._own(plan.calls, plan.payloads, i)
 
     # ------------------------------------------------------------ all_reduce
 
@@ -244,8 +246,9 @@ class ThreadsEngine(Engine):
 
     # ------------------------------------------------------------ the rest
 
-    def _own(self, call: Call, payloads: list, i: int) -> list[torch.Tensor]:
-        """Replica ``i``'s outputs of a non-all-reduce collective."""
+    def _own(self, calls: Sequence[Call], payloads: list, i: int) -> list[torch.Tensor]:
+        """Replica ``i``'s outputs of a non-all-reduce collective (``calls``: every replica's)."""
+        call = calls[i]
         kind, idx = call.kind, self._index
         rid = self.local_replica_ids[i]
         mine = payloads[i]
@@ -273,8 +276,11 @@ class ThreadsEngine(Engine):
                 out.append(reduce_into(op, torch.empty_like(xs[0], memory_format=torch.contiguous_format), xs))
             elif kind is Kind.ALL_TO_ALL:
                 sd, cd = call.params[0][t], call.params[1][t]
-                c = x.shape[sd] // k
-                out.append(torch.cat([payloads[m][t].narrow(sd, pos * c, c).to(x.device) for m in members], cd))
+                pieces = []
+                for m in members:  # each sender cuts its own tensor by its own split sizes
+                    start, length = scatter_slice(payloads[m][t].shape[sd], pos, k, calls[m].params[2])
+                    pieces.append(payloads[m][t].narrow(sd, start, length).to(x.device))
+                out.append(torch.cat(pieces, cd))
             elif kind is Kind.BROADCAST:
                 src = members[call.params[0]]
                 out.append(payloads[src][t].to(x.device, copy=True))

@@ -19,7 +19,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from ...errors import CollectiveMismatchError
 from ...packing import byte_pack_size, pack_bytes, unpack_bytes
+from ..base import scatter_slice
+from .gather import gather_fixed
 from .plan import Step
 
 if TYPE_CHECKING:
@@ -62,13 +65,42 @@ def exchange(eng: TorchDistEngine, sends: dict[int, list[torch.Tensor]],
     return {worker: unpack_bytes(inbox[worker], recvs[worker])[0] for worker in recvs}
 
 
-def _chunk(x: torch.Tensor, split_dim: int, position: int, k: int) -> torch.Tensor:
-    """The ``position``-th of ``k`` equal chunks of ``x`` along ``split_dim``."""
-    size = x.shape[split_dim] // k
-    return x.narrow(split_dim, position * size, size)
+def _chunk(x: torch.Tensor, split_dim: int, position: int, k: int, splits: Sequence[int] | None) -> torch.Tensor:
+    """The chunk of ``x`` along ``split_dim`` for the member at ``position`` of ``k``:
+    equal chunks, or the sender's own split sizes."""
+    start, length = scatter_slice(x.shape[split_dim], position, k, splits)
+    return x.narrow(split_dim, start, length)
+
+
+def _check_split_sizes(eng: TorchDistEngine, step: Step) -> None:
+    """Every worker learns every replica's split sizes (one small all-gather), so sizes that
+    do not match (member i sends j other than j expects from i) are a CollectiveMismatchError
+    on every worker, never a corrupt exchange. Every all_to_all pays it: whether a peer
+    passes split sizes is not known locally."""
+    groups = step.call.groups
+    k = len(groups[0])
+    rows = []
+    for i, rid in enumerate(eng.local_replica_ids):
+        split_dims, _, in_splits, out_splits = step.params[rid]
+        extent = step.payloads[i][0].shape[split_dims[0]] if step.payloads[i] else 0
+        even = [extent // k] * k
+        rows.extend([*(in_splits or even), *(out_splits or even)])
+    meta = torch.tensor(rows, dtype=torch.int64, device=eng.comm_device)
+    sizes = gather_fixed(eng, meta, None, tuple(range(eng.world_size))).cpu().view(-1, 2, k).tolist()
+    for group in groups:
+        for i, sender in enumerate(group):
+            for j, receiver in enumerate(group):
+                if sizes[sender][0][j] != sizes[receiver][1][i]:
+                    lines = "\n".join(f"  replica {r}: input_split_sizes={sizes[r][0]}, "
+                                      f"output_split_sizes={sizes[r][1]}" for r in group)
+                    raise CollectiveMismatchError(
+                        f"all_to_all split sizes do not match: replica {sender} sends replica {receiver} "
+                        f"{sizes[sender][0][j]} rows, which expects {sizes[receiver][1][i]} (each member's "
+                        f"output_split_sizes[i] must equal member i's input_split_sizes for it):\n{lines}")
 
 
 def all_to_all(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
+    _check_split_sizes(eng, step)
     index, per_worker, payloads = eng.local_index, eng.replicas_per_worker, step.payloads
     n_leaves = len(payloads[0])
     leaves = range(n_leaves)
@@ -79,18 +111,21 @@ def all_to_all(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
         if not entry.local:
             continue
         group, k = entry.group, len(entry.group)
-        ref = payloads[index[entry.local[0]]]
-        split_dims = step.params[entry.local[0]][0]
         for sender in group:
             for receiver in group:
                 sender_worker, receiver_worker = sender // per_worker, receiver // per_worker
                 if sender_worker == eng.rank and receiver_worker != eng.rank:
+                    split_dims, _, in_splits, _ = step.params[sender]
                     sends.setdefault(receiver_worker, []).extend(
-                        _chunk(payloads[index[sender]][leaf], split_dims[leaf], group.index(receiver), k)
+                        _chunk(payloads[index[sender]][leaf], split_dims[leaf], group.index(receiver), k, in_splits)
                         for leaf in leaves)
                 elif receiver_worker == eng.rank and sender_worker != eng.rank:
+                    # what arrives: the receiver's own shape, cut by its output split sizes
+                    mine = payloads[index[receiver]]
+                    split_dims, _, _, out_splits = step.params[receiver]
                     recvs.setdefault(sender_worker, []).extend(
-                        (tuple(_chunk(ref[leaf], split_dims[leaf], 0, k).shape), ref[leaf].dtype)
+                        (_incoming(mine[leaf].shape, split_dims[leaf], group.index(sender), k, out_splits),
+                         mine[leaf].dtype)
                         for leaf in leaves)
                     order.setdefault(sender_worker, []).append((sender, receiver))
     inbox = exchange(eng, sends, recvs)
@@ -102,19 +137,29 @@ def all_to_all(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
     for i, receiver in enumerate(eng.local_replica_ids):
         group = next(group for group in step.call.groups if receiver in group)
         k, device = len(group), eng.devices[i]
-        split_dims, concat_dims = step.params[receiver]
+        concat_dims = step.params[receiver][1]
         row = []
         for leaf in leaves:
             pieces = []
             for sender in group:
                 if sender // per_worker == eng.rank:
+                    split_dims, _, in_splits, _ = step.params[sender]
                     pieces.append(_chunk(payloads[index[sender]][leaf], split_dims[leaf], group.index(receiver),
-                                         k).to(device))
+                                         k, in_splits).to(device))
                 else:
                     pieces.append(received[(sender, receiver)][leaf].to(device))
             row.append(torch.cat(pieces, concat_dims[leaf]))
         outs.append(row)
     return outs
+
+
+def _incoming(shape: Sequence[int], dim: int, position: int, k: int,
+              out_splits: Sequence[int] | None) -> tuple[int, ...]:
+    """The shape of what a receiver of ``shape`` gets from the member at ``position``: equal
+    chunks of its own extent, or its own output split sizes (shapes agree off ``dim``)."""
+    out = list(shape)
+    out[dim] = shape[dim] // k if out_splits is None else out_splits[position]
+    return tuple(out)
 
 
 def permute(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:

@@ -1,0 +1,307 @@
+"""Collectives layer: the public collectives, called inside a replica function.
+
+Each function validates its arguments here, locally, so a bad argument is a
+clear exception before any replica waits (naming the argument, the value and
+what was expected); the engine then checks that the replicas agree with each
+other. Groups come from ``group_assignment``, from ``mesh``/``axes``, or from
+both (the assignment then groups positions within the named axes; see
+:func:`crossreplica.groups.resolve_groups`).
+
+Under ``torch.compile`` the same functions trace to custom operators
+(``compiled.py``); the replica context is then read when the compiled code
+runs, not when it is traced, so one compiled step serves every replica.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..context import ReplicaContext, require_replica_context
+from ..engines.base import Kind
+from ..errors import summarize
+from ..groups import Groups, Mesh, contiguous_groups, mesh_groups, resolve_groups
+from ..reduce_op import ReduceOp, check_dtype
+from . import autodiff, compiled
+from .leaves import check_dim, check_splits, replica_index, tensor_leaves
+
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "collective_permute",
+    "cross_replica_average",
+    "cross_replica_mean",
+    "cross_replica_sum",
+    "num_replicas",
+    "reduce_scatter",
+    "replica_id",
+]
+
+
+# --------------------------------------------------------------------------- plumbing
+
+_is_compiling = torch.compiler.is_compiling
+
+
+def _context(api: str) -> ReplicaContext | None:
+    """The replica context; None while torch.compile traces (the operators find it at run time)."""
+    if _is_compiling():
+        return None
+    return require_replica_context(api)
+
+
+@torch.compiler.assume_constant_result
+def _traced_num_replicas() -> int:
+    # Read once while tracing; the compiled operators check it against the engine's.
+    return require_replica_context("cr.collectives under torch.compile").num_replicas_in_sync
+
+
+def _groups(rctx: ReplicaContext | None, group_assignment: Any, mesh: Mesh | None, axes: Any) -> Groups:
+    n = rctx.num_replicas_in_sync if rctx is not None else _traced_num_replicas()
+    return resolve_groups(n, group_assignment, mesh, axes)
+
+
+def _execute(rctx: ReplicaContext | None, kind: Kind, groups: Groups, params: tuple,
+             tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    if rctx is None:
+        return compiled.execute(kind, groups, params, tensors)
+    return autodiff.execute(rctx, kind, groups, params, tensors)
+
+
+# --------------------------------------------------------------------------- reductions
+
+def all_reduce(x: Any, op: ReduceOp | str = "sum", group_assignment: Any = None, *,
+               mesh: Mesh | None = None, axes: Any = None) -> Any:
+    """Reduces ``x`` (a tensor, a number or a nest of them) over each group of replicas.
+
+    Every replica of a group gets bitwise-identical results; MEAN divides by
+    the group's size. ``mesh`` and ``axes`` reduce over the named mesh axes.
+    """
+    rctx = _context("cr.all_reduce")
+    op = ReduceOp.from_any(op)
+    groups = _groups(rctx, group_assignment, mesh, axes)
+    leaves = tensor_leaves(x, "cr.all_reduce", rctx)
+    for t in leaves.tensors:
+        check_dtype(op, t.dtype)
+    return leaves.repack(_execute(rctx, Kind.ALL_REDUCE, groups, (op,), leaves.tensors))
+
+
+def cross_replica_sum(x: Any, group_assignment: Any = None, *, mesh: Mesh | None = None, axes: Any = None) -> Any:
+    """Sums ``x`` over each group of replicas (TPU ``cross_replica_sum``)."""
+    return all_reduce(x, ReduceOp.SUM, group_assignment, mesh=mesh, axes=axes)
+
+
+def cross_replica_mean(x: Any, group_assignment: Any = None, *, mesh: Mesh | None = None, axes: Any = None) -> Any:
+    """Averages ``x`` over each group; MEAN divides by the group's size."""
+    return all_reduce(x, ReduceOp.MEAN, group_assignment, mesh=mesh, axes=axes)
+
+
+def cross_replica_average(x: Any, num_shards_per_group: int) -> Any:
+    """Averages over groups of ``num_shards_per_group`` consecutive replicas.
+
+    The reduction distributed batch norm uses; the group size must divide the
+    number of replicas.
+    """
+    rctx = require_replica_context("cr.cross_replica_average")
+    groups = contiguous_groups(rctx.num_replicas_in_sync, num_shards_per_group)
+    return all_reduce(x, ReduceOp.MEAN, groups)
+
+
+def reduce_scatter(x: Any, op: ReduceOp | str = "sum", dim: int = 0, group_assignment: Any = None, *,
+                   mesh: Mesh | None = None, axes: Any = None) -> Any:
+    """Reduces ``x`` over each group and gives the member at position ``j`` the
+    ``j``-th of ``group_size`` equal chunks along ``dim``."""
+    api = "cr.reduce_scatter"
+    rctx = _context(api)
+    op = ReduceOp.from_any(op)
+    groups = _groups(rctx, group_assignment, mesh, axes)
+    k = len(groups[0])
+    leaves = tensor_leaves(x, api, rctx)
+    dims = []
+    for t in leaves.tensors:
+        check_dtype(op, t.dtype)
+        if t.dim() == 0:
+            raise ValueError(f"{api} needs tensors with at least one dimension; got a 0-d tensor")
+        d = check_dim(dim, t.dim(), "dim", api, t.shape)
+        if t.shape[d] % k:
+            raise ValueError(
+                f"{api}: x.shape[{d}]={t.shape[d]} (shape {list(t.shape)}) must be divisible "
+                f"by the group size {k}")
+        dims.append(d)
+    return leaves.repack(_execute(rctx, Kind.REDUCE_SCATTER, groups, (op, tuple(dims), None), leaves.tensors))
+
+
+# --------------------------------------------------------------------------- data movement
+
+def all_gather(x: Any, dim: int = 0, group_assignment: Any = None, tiled: bool = True, *,
+               mesh: Mesh | None = None, axes: Any = None) -> Any:
+    """Gathers the group members' ``x`` in group order.
+
+    ``tiled=True`` concatenates along ``dim`` (sizes along ``dim`` may differ
+    between replicas, e.g. an uneven last batch; a 0-d ``x`` is stacked into a
+    vector); ``tiled=False`` stacks along a new axis at ``dim`` (JAX's default
+    form: the result has one more dimension, of the group's size, and every
+    shape must agree).
+    """
+    api = "cr.all_gather"
+    rctx = _context(api)
+    if not isinstance(tiled, bool):
+        raise TypeError(f"{api}: tiled must be a bool; got {tiled!r}")
+    groups = _groups(rctx, group_assignment, mesh, axes)
+    leaves = tensor_leaves(x, api, rctx)
+    dims, tensors = [], []
+    for t in leaves.tensors:
+        if tiled:
+            d = check_dim(dim, max(t.dim(), 1), "dim", api, t.shape)
+            t = t.unsqueeze(0) if t.dim() == 0 else t
+        else:
+            d = check_dim(dim, t.dim() + 1, "dim", api, t.shape)
+            t = t.unsqueeze(d)
+        dims.append(d)
+        tensors.append(t)
+    run = functools.partial(_execute, rctx)
+    return leaves.repack(autodiff.gather(run, groups, tuple(dims), tensors))
+
+
+def all_to_all(x: Any, split_dim: int, concat_dim: int, group_assignment: Any = None, *,
+               input_split_sizes: Sequence[int] | None = None, output_split_sizes: Sequence[int] | None = None,
+               mesh: Mesh | None = None, axes: Any = None) -> Any:
+    """Splits ``x`` along ``split_dim``, sends chunk ``j`` to the member at position ``j``,
+    and concatenates what arrives along ``concat_dim``, in group order.
+
+    Chunks are equal (``x.shape[split_dim] // group_size``) unless split sizes are
+    given, as torch's ``all_to_all_single``: ``input_split_sizes[j]`` rows go to
+    member ``j``, ``output_split_sizes[i]`` rows arrive from member ``i`` (they
+    must match what member ``i`` sends; None on either side means equal chunks
+    of this replica's ``x``). Uneven sizes need ``split_dim == concat_dim``.
+    """
+    api = "cr.all_to_all"
+    rctx = _context(api)
+    groups = _groups(rctx, group_assignment, mesh, axes)
+    k = len(groups[0])
+    in_splits = check_splits(input_split_sizes, k, "input_split_sizes", api)
+    out_splits = check_splits(output_split_sizes, k, "output_split_sizes", api)
+    leaves = tensor_leaves(x, api, rctx)
+    sds, cds = [], []
+    for t in leaves.tensors:
+        if t.dim() == 0:
+            raise ValueError(f"{api} needs tensors with at least one dimension; got a 0-d tensor")
+        sd = check_dim(split_dim, t.dim(), "split_dim", api, t.shape)
+        cd = check_dim(concat_dim, t.dim(), "concat_dim", api, t.shape)
+        if (in_splits is not None or out_splits is not None) and sd != cd:
+            raise ValueError(
+                f"{api}: split sizes need split_dim == concat_dim (as all_to_all_single splits and "
+                f"concatenates one dim); got split_dim={split_dim}, concat_dim={concat_dim}")
+        if in_splits is not None and sum(in_splits) != t.shape[sd]:
+            raise ValueError(
+                f"{api}: input_split_sizes={list(in_splits)} must add up to x.shape[{sd}]={t.shape[sd]} "
+                f"(shape {list(t.shape)})")
+        if (in_splits is None or out_splits is None) and t.shape[sd] % k:
+            raise ValueError(
+                f"{api}: x.shape[{sd}]={t.shape[sd]} (shape {list(t.shape)}) must be divisible "
+                f"by the group size {k}, or pass input_split_sizes and output_split_sizes")
+        sds.append(sd)
+        cds.append(cd)
+    params = (tuple(sds), tuple(cds), in_splits, out_splits)
+    return leaves.repack(_execute(rctx, Kind.ALL_TO_ALL, groups, params, leaves.tensors))
+
+
+def broadcast(x: Any, source: int = 0, group_assignment: Any = None, *,
+              mesh: Mesh | None = None, axes: Any = None) -> Any:
+    """Every member of a group gets the value of the group's member at position
+    ``source`` (with no group assignment, that is replica ``source``)."""
+    api = "cr.broadcast"
+    rctx = _context(api)
+    groups = _groups(rctx, group_assignment, mesh, axes)
+    k = len(groups[0])
+    try:
+        src = replica_index(source)  # numpy and torch integers too, as group assignments accept
+    except TypeError:
+        src = -1
+    if not 0 <= src < k:
+        raise ValueError(
+            f"{api}: source must be a position in the group, an int in [0, {k}); got {summarize(source)}")
+    leaves = tensor_leaves(x, api, rctx)
+    return leaves.repack(_execute(rctx, Kind.BROADCAST, groups, (src,), leaves.tensors))
+
+
+def collective_permute(x: Any, source_target_pairs: Sequence[Sequence[int]] | None = None, *,
+                       mesh: Mesh | None = None, axis: Any = None, shift: int | None = None) -> Any:
+    """Sends ``x`` from each source replica to its target; replicas that are no
+    target receive zeros. Each replica is at most once a source and once a target.
+
+    With ``mesh`` and ``axis`` (a mesh axis name, or several), the permutation
+    acts within every group along that axis: ``source_target_pairs`` then name
+    positions in the group (as ``jax.lax.ppermute`` over a named axis), or
+    ``shift`` sends position ``p`` to ``(p + shift) % size`` (a cyclic shift, a
+    ring): ``collective_permute(x, mesh=m, axis="model", shift=1)``.
+    """
+    api = "cr.collective_permute"
+    rctx = _context(api)
+    n = rctx.num_replicas_in_sync if rctx is not None else _traced_num_replicas()
+    if mesh is None:
+        if axis is not None or shift is not None:
+            raise ValueError(
+                f"{api}: axis={axis!r} and shift={summarize(shift)} need a mesh; pass mesh=cr.Mesh(...) as well")
+        if source_target_pairs is None:
+            raise ValueError(f"{api}: pass source_target_pairs, e.g. [[0, 1], [1, 0]], or mesh, axis and shift")
+        pairs = _canonical_pairs(source_target_pairs, n)
+    else:
+        if axis is None:
+            raise ValueError(f"{api}: mesh={mesh!r} needs axis, the axis to permute along; got axis=None")
+        groups = mesh_groups(n, mesh, axis)
+        m = len(groups[0])
+        if (source_target_pairs is None) == (shift is None):
+            raise ValueError(
+                f"{api}: with a mesh pass exactly one of source_target_pairs (positions along {axis!r}) and "
+                f"shift; got source_target_pairs={source_target_pairs!r} and shift={summarize(shift)}")
+        if shift is not None:
+            try:
+                s = replica_index(shift)
+            except TypeError:
+                raise ValueError(f"{api}: shift must be an int; got {summarize(shift)}") from None
+            within = tuple((p, (p + s) % m) for p in range(m))
+        else:
+            within = _canonical_pairs(source_target_pairs, m)
+        pairs = tuple(sorted((g[a], g[b]) for g in groups for a, b in within))
+    leaves = tensor_leaves(x, api, rctx)
+    return leaves.repack(_execute(rctx, Kind.PERMUTE, (tuple(range(n)),), (pairs,), leaves.tensors))
+
+
+def _canonical_pairs(pairs: Any, n: int) -> tuple[tuple[int, int], ...]:
+    if hasattr(pairs, "__len__") and len(pairs) > n:  # each replica is at most once a source
+        raise ValueError(
+            f"source_target_pairs has {len(pairs)} pairs, but each of the {n} replicas may be a source "
+            f"at most once; got {summarize(pairs)}")
+    try:
+        out = [(replica_index(s), replica_index(t)) for s, t in pairs]
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"source_target_pairs must be a list of (source, target) replica id pairs, e.g. "
+            f"[[0, 1], [1, 0]]; got {summarize(pairs)}") from None
+    for s, t in out:
+        if not (0 <= s < n and 0 <= t < n):
+            raise ValueError(
+                f"source_target_pairs names a replica outside 0..{n - 1} in ({s}, {t}): {summarize(pairs)}")
+    for name, col in (("source", 0), ("target", 1)):
+        ids = [p[col] for p in out]
+        dup = sorted({r for r in ids if ids.count(r) > 1})
+        if dup:
+            raise ValueError(
+                f"source_target_pairs uses replicas {dup} more than once as a {name}: {summarize(pairs)}")
+    return tuple(sorted(out))
+
+
+def replica_id() -> int:
+    """This replica's id in the sync group (0..num_replicas()-1)."""
+    return require_replica_context("cr.replica_id").replica_id_in_sync_group
+
+
+def num_replicas() -> int:
+    """The number of replicas in sync."""
+    return require_replica_context("cr.num_replicas").num_replicas_in_sync

@@ -1,0 +1,219 @@
+"""Collectives layer: a collective's forward (the engine call) and its derivative.
+
+Eagerly, a collective is one engine call (:func:`raw`); when autograd or a
+functorch transform (``torch.vmap``) needs to see it, it goes through
+:class:`Collective`, whose backward is the dual collective, stated here beside
+the forward:
+
+================================  ==========================================
+forward                           backward (the transpose, on the cotangents)
+================================  ==========================================
+all_reduce sum / mean             the same all_reduce
+all_reduce max / min              sum of the cotangents, shared among the
+                                  members that hold the extremum
+all_reduce prod                   not differentiable (a clear RuntimeError)
+all_gather (dim, sizes)           reduce_scatter sum along dim, each member
+                                  its own (possibly uneven) part
+reduce_scatter sum / mean         all_gather along dim (/ group size)
+all_to_all (split, concat,        all_to_all (concat, split,
+            in_sizes, out_sizes)              out_sizes, in_sizes)
+broadcast from position p         all_reduce sum, kept at p, zero elsewhere
+collective_permute(pairs)         collective_permute(inverted pairs)
+================================  ==========================================
+
+Every backward is written with the differentiable collectives themselves
+(``run``), so a backward taken with ``create_graph=True`` is differentiable
+again: gradient penalties and meta-learning get second (and higher) order
+gradients, through the same table. ``torch.compile`` uses the same table
+(``compiled.py``), with the collectives as custom operators.
+
+Invariant: every member of a group runs the same backward collectives (a
+backward that returns zeros on some members still calls the collective there),
+so a backward never leaves a peer waiting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..context import ReplicaContext, get_replica_context
+from ..engines.base import Call, Kind
+from ..groups import Groups, group_of
+from ..reduce_op import ReduceOp
+
+__all__ = ["Collective", "Run", "dual", "execute", "gather_sizes", "raw"]
+
+#: ``run(kind, groups, params, tensors) -> outputs``: a differentiable collective call.
+Run = Callable[[Kind, Groups, tuple, list[torch.Tensor]], list[torch.Tensor]]
+
+_transforms_active = torch._C._are_functorch_transforms_active
+
+
+def raw(rctx: ReplicaContext, kind: Kind, groups: Groups, params: tuple,
+        tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The engine call itself: no autograd, no transforms."""
+    # The context of the executing thread, not ``rctx``: a backward pass may run
+    # in a later run with the forward's context (fine), while a replica thread
+    # abandoned by a failed run still holds its old one (rejected). Autograd's
+    # device threads hold none.
+    current = get_replica_context()
+    if current is not None:
+        current.check_current("cr.", kind)
+        device = current.device
+        for t in tensors:
+            if t.device != device:
+                _wrong_device(current, kind, tensors, device)
+    call = Call.of(kind, groups, params, tensors)
+    return rctx.engine.execute(rctx.replica_id_in_sync_group, call, tensors)
+
+
+def _wrong_device(rctx: ReplicaContext, kind: Kind, tensors: list[torch.Tensor], device: torch.device) -> None:
+    """Raises in the replica that passed a tensor on another device than its own."""
+    bad = next(i for i, t in enumerate(tensors) if t.device != device)
+    raise ValueError(
+        f"cr.{kind}: tensor {bad} (shape {list(tensors[bad].shape)}) is on {tensors[bad].device}, but "
+        f"replica {rctx.replica_id_in_sync_group} runs on {device}; move it there first, e.g. "
+        f"x.to(cr.get_replica_context().device)")
+
+
+def execute(rctx: ReplicaContext, kind: Kind, groups: Groups, params: tuple,
+            tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The eager collective: the engine call, through autograd/vmap only when they need it."""
+    if _transforms_active() or (torch.is_grad_enabled() and _any_requires_grad(tensors)):
+        return list(Collective.apply(rctx, kind, groups, params, *tensors))
+    return raw(rctx, kind, groups, params, tensors)
+
+
+def _any_requires_grad(tensors: list[torch.Tensor]) -> bool:
+    for t in tensors:
+        if t.requires_grad:
+            return True
+    return False
+
+
+def gather_sizes(outs: Sequence[torch.Tensor], k: int) -> tuple[tuple[int, ...], ...]:
+    """Per user leaf, every member's size along the gather dim, from the gathered sizes leaf
+    (the last output: one row per member, one column per user leaf)."""
+    return tuple(tuple(s) for s in outs[-1].view(k, -1).t().tolist())
+
+
+class Collective(torch.autograd.Function):
+    """A collective whose backward is its dual collective (see the module docstring)."""
+
+    @staticmethod
+    def forward(rctx, kind, groups, params, *xs):  # type: ignore[override]
+        return tuple(raw(rctx, kind, groups, params, list(xs)))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # type: ignore[override]
+        rctx, kind, groups, params, *xs = inputs
+        ctx.rctx, ctx.kind, ctx.groups, ctx.params = rctx, kind, groups, params
+        # The gathered sizes are plain ints, read here once (the backward may be traced).
+        ctx.sizes = gather_sizes(output, len(groups[0])) if kind is Kind.ALL_GATHER else None
+        if _saves_inputs(kind, params):
+            ctx.save_for_backward(*xs, *output)
+        ctx.mark_non_differentiable(*[o for o in output if not (o.dtype.is_floating_point or o.dtype.is_complex)])
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        rctx = ctx.rctx
+
+        def run(kind: Kind, groups: Groups, params: tuple, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+            return execute(rctx, kind, groups, params, tensors)
+
+        saved = ctx.saved_tensors if _saves_inputs(ctx.kind, ctx.params) else ()
+        grads_in = dual(ctx.kind, ctx.groups, ctx.params, list(grads), saved, ctx.sizes,
+                        rctx.replica_id_in_sync_group, run)
+        return (None, None, None, None, *grads_in)
+
+    @staticmethod
+    def vmap(info, in_dims, rctx, kind, groups, params, *xs):  # type: ignore[override]
+        # A collective acts elementwise on whatever it does not split or gather, so the
+        # batched call is the collective of the stacked batch (every replica must map
+        # over the same batch size): move each batch dim to the front, shift the dims.
+        dims = in_dims[4:]
+        batched = [d is not None for d in dims]
+        moved = [x if d is None else x.movedim(d, 0) for x, d in zip(xs, dims)]
+        outs = execute(rctx, kind, groups, batched_params(kind, params, batched), moved)
+        return tuple(outs), tuple(0 if b else None for b in batched)
+
+
+def _saves_inputs(kind: Kind, params: tuple) -> bool:
+    return kind is Kind.ALL_REDUCE and params[0] in (ReduceOp.MAX, ReduceOp.MIN)
+
+
+def batched_params(kind: Kind, params: tuple, batched: Sequence[bool]) -> tuple:
+    """``params`` for the leaves with a new leading batch dim where ``batched``."""
+    def shift(dims: tuple) -> tuple:
+        return tuple(d + 1 if b else d for d, b in zip(dims, batched))
+
+    if kind is Kind.ALL_GATHER:
+        return (shift(params[0]),)
+    if kind is Kind.REDUCE_SCATTER:
+        return (params[0], shift(params[1]), params[2])
+    if kind is Kind.ALL_TO_ALL:
+        return (shift(params[0]), shift(params[1]), *params[2:])
+    return params
+
+
+def dual(kind: Kind, groups: Groups, params: tuple, grads: list[torch.Tensor], saved: Sequence[torch.Tensor],
+         sizes: Any, rid: int | torch.Tensor, run: Run) -> Sequence[torch.Tensor | None]:
+    """Input cotangents of a collective: the dual collective on the output cotangents.
+
+    ``sizes``: an all_gather's per-leaf member sizes (None: equal parts); ``rid``: this
+    replica's id, an int or (traced under torch.compile) a 0-d tensor."""
+    if kind is Kind.ALL_REDUCE:
+        op = params[0]
+        if op in (ReduceOp.SUM, ReduceOp.MEAN):
+            return run(kind, groups, (op,), grads)
+        if op in (ReduceOp.MAX, ReduceOp.MIN):
+            xs, outs = saved[:len(grads)], saved[len(grads):]
+            masks = [(x == o).to(g.dtype) for x, o, g in zip(xs, outs, grads)]
+            summed = run(kind, groups, (ReduceOp.SUM,), grads + masks)
+            total, count = summed[:len(grads)], summed[len(grads):]
+            return [t * m / c for t, m, c in zip(total, masks, count)]
+        raise RuntimeError(
+            f"the gradient of all_reduce with op={op} is not implemented; use op='sum', 'mean', "
+            f"'max' or 'min' for differentiable reductions")
+    if kind is Kind.ALL_GATHER:
+        user = grads[:-1]  # the last leaf carried the sizes
+        out = run(Kind.REDUCE_SCATTER, groups, (ReduceOp.SUM, params[0][:-1], sizes), user)
+        return [*out, None]
+    if kind is Kind.REDUCE_SCATTER:
+        op, dims, _ = params
+        if op not in (ReduceOp.SUM, ReduceOp.MEAN):
+            raise RuntimeError(
+                f"the gradient of reduce_scatter with op={op} is not implemented; use op='sum' or 'mean'")
+        out = gather(run, groups, dims, grads)
+        if op is ReduceOp.MEAN:
+            k = len(groups[0])
+            out = [o / k for o in out]
+        return out
+    if kind is Kind.ALL_TO_ALL:
+        split_dims, concat_dims, in_splits, out_splits = params
+        return run(Kind.ALL_TO_ALL, groups, (concat_dims, split_dims, out_splits, in_splits), grads)
+    if kind is Kind.BROADCAST:
+        total = run(Kind.ALL_REDUCE, groups, (ReduceOp.SUM,), grads)
+        source = params[0]
+        if isinstance(rid, torch.Tensor):
+            sources = torch.tensor([g[source] for g in groups], dtype=rid.dtype, device=rid.device)
+            at_source = (sources == rid).any()
+            return [torch.where(at_source, t, t.new_zeros(())) for t in total]
+        if group_of(groups, rid).index(rid) == source:
+            return total
+        # a zero that stays on the graph, so a second backward meets the peers here too
+        return [t * 0 if t.requires_grad else torch.zeros_like(t) for t in total]
+    if kind is Kind.PERMUTE:
+        inverse = tuple(sorted((t, s) for s, t in params[0]))
+        return run(Kind.PERMUTE, groups, (inverse,), grads)
+    raise RuntimeError(f"no gradient for collective '{kind}'")
+
+
+def gather(run: Run, groups: Groups, dims: tuple, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """all_gather of ``tensors`` along ``dims`` (sizes may differ): the sizes along the gather
+    dims travel as one more leaf, so that a backward can scatter uneven parts."""
+    sizes = torch.tensor([t.shape[d] for t, d in zip(tensors, dims)], dtype=torch.int64)
+    return run(Kind.ALL_GATHER, groups, (dims + (0,),), [*tensors, sizes])[:-1]
