@@ -23,15 +23,15 @@ import torch
 import torch.distributed as dist
 
 from .. import nest
+from ..devices import canonical_device
 from ..engines.base import DEFAULT_TIMEOUT, Call, Kind
 from ..engines.hierarchical import HierarchicalEngine
 from ..engines.torch_dist import TorchDistEngine
+from ..errors import summarize
 from ..groups import Groups
 from ..reduce_op import ReduceOp
 from ..timeouts import canonical_timeout
 from .base import Strategy, StrategyExtended
-from ..devices import canonical_device
-from ..errors import summarize
 
 __all__ = ["MultiWorkerMirroredStrategy", "MultiWorkerExtended"]
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from .. import context
+from ..devices import canonical_device
 from ..engines.base import DEFAULT_TIMEOUT
 from ..engines.threads import ThreadsEngine
 from .base import Strategy, StrategyExtended
-from ..devices import canonical_device
 
 __all__ = ["OneDeviceStrategy"]
 

@@ -26,7 +26,12 @@ import time
 import weakref
 from typing import Any, Callable, Sequence
 
-from ..errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAborted, replica_error
+from ..errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    ReplicaAborted,
+    replica_error,
+)
 
 __all__ = ["ReplicaThreads", "raise_first_failure"]
 

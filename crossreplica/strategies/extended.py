@@ -1,0 +1,285 @@
+"""StrategyExtended: a strategy's machinery (devices, engine, replica threads, merge_call).
+
+Layer: strategies. ``call_for_each_replica`` runs the replica function once
+per local replica, in a thread per replica when there are several, under a
+fresh ``run_token``; the cross-replica hooks (:meth:`StrategyExtended.reduce_values`,
+:meth:`StrategyExtended.gather_values`, ...) are where multi-process strategies
+extend it. It satisfies the context layer's ``ReplicaHost`` and the
+cross-device ops' ``Reducer`` interfaces.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+
+from .. import collectives, context
+from ..context import ReplicaContext
+from ..cross_device_ops import AllReduceCrossDeviceOps, CrossDeviceOps
+from ..engines.base import MERGE_CALL, Engine, check_agreement
+from ..engines.reduction import reduce_into
+from ..errors import ReplicaContextError, summarize
+from ..reduce_op import ReduceOp
+from ..values import (
+    DistributedValues,
+    Mirrored,
+    regroup,
+    select_replica,
+    select_replica_mirrored,
+)
+from .replica_threads import ReplicaThreads, raise_first_failure
+
+if TYPE_CHECKING:
+    from .base import Strategy
+
+__all__ = ["StrategyExtended"]
+
+
+class StrategyExtended:
+    """The strategy's machinery: devices, engine, replica threads, merge_call."""
+
+    def __init__(self, container: "Strategy", devices: Sequence[torch.device], engine: Engine,
+                 cross_device_ops: CrossDeviceOps | None = None):
+        self._container_ref = weakref.ref(container)
+        self.worker_devices = tuple(devices)
+        self.engine = engine
+        if cross_device_ops is not None:
+            if not isinstance(cross_device_ops, CrossDeviceOps):
+                raise ValueError(
+                    f"cross_device_ops must be a cr.CrossDeviceOps (e.g. cr.ReductionToOneDevice() or "
+                    f"cr.AllReduceCrossDeviceOps()) or None; got {summarize(cross_device_ops)}")
+        self.cross_device_ops = cross_device_ops
+        n = len(self.worker_devices)
+        self._running = False
+        self._run_token: object = None
+        self._threads = ReplicaThreads(n, type(container).__name__) if n > 1 else None
+        if self._threads is not None:
+            # Not at interpreter exit: waking daemon threads while the interpreter
+            # finalizes makes them die mid-flight (std::terminate, exit code 134).
+            weakref.finalize(container, self._threads.close).atexit = False
+
+    @property
+    def _container(self) -> "Strategy":
+        return self._container_ref()  # type: ignore[return-value]
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.engine.num_replicas
+
+    @property
+    def local_replica_ids(self) -> tuple[int, ...]:
+        return self.engine.local_replica_ids
+
+    @property
+    def run_token(self) -> object:
+        """Identifies the run in progress: each ``run`` gets a new token, so a replica
+        abandoned by an earlier failed run can tell that it no longer takes part."""
+        return self._run_token
+
+    @property
+    def timeout(self) -> float:
+        return getattr(self.engine, "timeout", 300.0)
+
+    @property
+    def always_wrap(self) -> bool:
+        """Whether run/merge_call wrap every per-replica leaf, even with one local replica or
+        when the local replicas hold the same object: true across processes, where a local
+        value is only one of several."""
+        return False
+
+    # ------------------------------------------------------------ replica execution
+
+    def call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[Any]:
+        """Runs ``fn`` once per local replica; returns the results in local order."""
+        # Checked before anything is reset: a run started from merge_fn would re-arm
+        # the engine under the replicas waiting in merge_call (they would wait out
+        # the whole timeout).
+        if self._running:
+            raise RuntimeError(
+                "strategy.run was called while a run of the same strategy is in progress (from a "
+                "replica function or merge_fn); call it from the main program only")
+        self._running = True
+        try:
+            return self._call_for_each_replica(fn, args, kwargs)
+        finally:
+            self._running = False
+
+    def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[Any]:
+        strategy, engine = self._container, self.engine
+        ids, devices = self.local_replica_ids, self.worker_devices
+        # A replica abandoned by an earlier failed run may return later; it must
+        # not report to this run's engine (it would look like a replica that
+        # returned early, or abort this run).
+        self._run_token = token = object()
+        engine.begin_run()
+
+        def body(i: int) -> Any:
+            rctx = ReplicaContext(strategy, ids[i], i, engine, run=token)
+            a, kw = select_replica(i, args), select_replica(i, kwargs)
+            context.push(strategy, rctx)
+            try:
+                if devices[i].type == "cuda":
+                    with torch.cuda.device(devices[i]):
+                        out = fn(*a, **kw)
+                else:
+                    out = fn(*a, **kw)
+            finally:
+                context.pop()
+            if self._run_token is token:
+                engine.finish(ids[i])
+            return out
+
+        def on_error(i: int, e: BaseException) -> None:
+            if self._run_token is token:
+                engine.abort(ids[i], e)
+
+        if self._threads is None:
+            try:
+                return [body(0)]
+            except Exception as e:
+                engine.abort(ids[0], e)
+                raise_first_failure([(0, e)], ids)
+        return self._threads.run(body, on_error, self.timeout, ids)
+
+    def merge_call(self, rctx: ReplicaContext, merge_fn: Callable[..., Any], args: tuple,
+                   kwargs: dict) -> Any:
+        """Pauses the local replicas, runs ``merge_fn`` once in cross-replica context."""
+        strategy = self._container
+        rctx.check_current("merge_call")
+
+        def lead(calls: list, payloads: list) -> Any:
+            # the last to arrive leads: every other replica must be in merge_call too
+            check_agreement(calls, self.local_replica_ids)
+            merge_args = regroup(tuple(p[1] for p in payloads), always_wrap=self.always_wrap)
+            merge_kwargs = regroup(tuple(p[2] for p in payloads), always_wrap=self.always_wrap)
+            with context.frame(strategy, None):
+                return payloads[0][0](strategy, *merge_args, **merge_kwargs)
+
+        result = self.engine.exchange_objects(rctx.replica_id_in_sync_group, MERGE_CALL,
+                                              (merge_fn, args, kwargs), lead)
+        return select_replica(rctx.local_index, result)
+
+    def replica_all_reduce(self, rctx: ReplicaContext, reduce_op: ReduceOp | str, value: Any) -> Any:
+        """``ReplicaContext.all_reduce``: every replica in sync, through the engine."""
+        return collectives.all_reduce(value, reduce_op)
+
+    def replica_all_gather(self, rctx: ReplicaContext, value: Any, axis: int) -> Any:
+        """``ReplicaContext.all_gather``: every replica in sync, in replica order."""
+        return collectives.all_gather(value, axis)
+
+    # ------------------------------------------------------------ cross-replica hooks
+
+    def reduce_values(self, op: ReduceOp, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Reduces one tensor per local replica (in local order) over all replicas in sync."""
+        device = tensors[0].device
+        xs = [t.to(device) for t in tensors]
+        return reduce_into(op, torch.empty_like(xs[0], memory_format=torch.contiguous_format), xs)
+
+    def gather_values(self, tensors: Sequence[torch.Tensor], axis: int) -> torch.Tensor:
+        """Concatenates one tensor per local replica over all replicas in sync."""
+        device = tensors[0].device
+        return torch.cat([t.to(device) for t in tensors], axis)
+
+    def broadcast_values(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Replica 0's tensor, given one tensor per local replica (multi-process
+        strategies return global replica 0's, for ``mirror`` and checkpoints)."""
+        return tensors[0]
+
+    def broadcast_initial_state(self, mirrored: Mirrored) -> Mirrored:
+        """Makes every replica start from replica 0's copy of ``mirrored``.
+
+        In-process the copies are already identical (``Strategy.mirror`` deep-copies
+        replica 0's object), so this is a no-op; multi-process strategies override
+        it to broadcast replica 0's tensors to the other processes.
+        """
+        return mirrored
+
+    # ------------------------------------------------------------ input pipelines
+
+    @property
+    def num_input_pipelines(self) -> int:
+        """Input pipelines feeding the replicas (one per worker process)."""
+        return 1
+
+    @property
+    def input_pipeline_id(self) -> int:
+        """This process's input pipeline (its worker id)."""
+        return 0
+
+    # ------------------------------------------------------------ cross-device ops
+
+    @property
+    def _cross_device_ops(self) -> CrossDeviceOps:
+        if self.cross_device_ops is None:
+            self.cross_device_ops = AllReduceCrossDeviceOps()
+        return self.cross_device_ops
+
+    def _require_cross_replica(self, api: str) -> None:
+        if context.get_replica_context() is not None:
+            raise ReplicaContextError(
+                f"strategy.extended.{api} must be called in cross-replica context (outside "
+                f"strategy.run, or in a merge_call's merge_fn); inside a replica function use "
+                f"cr.all_reduce / cr.broadcast")
+
+    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any,
+                  options: Any = None) -> Any:
+        """Reduces ``value`` (a DistributedValues or a tensor) onto ``destinations``.
+
+        Returns a Mirrored with one copy per destination device. A value that is
+        not distributed is the same on every replica (reduce_non_distributed_value).
+        """
+        self._require_cross_replica("reduce_to")
+        with self._container.scope():
+            return self._cross_device_ops.reduce(reduce_op, value, destinations, options, reducer=self)
+
+    def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[Any],
+                        options: Any = None) -> list[Any]:
+        """Reduces each ``(value, destinations)`` pair; small tensors travel packed."""
+        self._require_cross_replica("batch_reduce_to")
+        with self._container.scope():
+            return self._cross_device_ops.batch_reduce(reduce_op, value_destination_pairs, options,
+                                                       reducer=self)
+
+    def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
+        """``tensor`` copied to every device of ``destinations`` (a Mirrored)."""
+        self._require_cross_replica("broadcast_to")
+        with self._container.scope():
+            return self._cross_device_ops.broadcast(tensor, destinations)
+
+    def update(self, var: Any, fn: Callable[..., Any], args: Sequence[Any] = (),
+               kwargs: dict | None = None, group: bool = True) -> Any:
+        """Runs ``fn(v, *args, **kwargs)`` on every copy ``v`` of ``var`` (a Mirrored),
+        on its device, under ``torch.no_grad()``.
+
+        Distributed ``args``/``kwargs`` must be Mirrored; copy ``i`` gets their
+        ``i``-th value. With ``group`` the results are regrouped (Mirrored where
+        they differ); otherwise a tuple with one result per copy.
+
+        Raises:
+            TypeError: ``fn`` is not callable, or an argument is a PerReplica.
+        """
+        self._require_cross_replica("update")
+        if not callable(fn):
+            raise TypeError(f"fn must be callable as fn(var, *args, **kwargs); got {summarize(fn)}")
+        if isinstance(args, (str, bytes)) or not isinstance(args, (tuple, list)):
+            raise TypeError(f"args must be a tuple of positional arguments; got {summarize(args)}")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise TypeError(f"kwargs must be a dict or None; got {summarize(kwargs)}")
+        kwargs = kwargs or {}
+        copies = var.values if isinstance(var, DistributedValues) else (var,)
+        results = []
+        with self._container.scope(), torch.no_grad():
+            for i, v in enumerate(copies):
+                a = select_replica_mirrored(i, tuple(args))
+                kw = select_replica_mirrored(i, kwargs)
+                device = getattr(v, "device", None)
+                if device is not None and device.type == "cuda":
+                    with torch.cuda.device(device):
+                        results.append(fn(v, *a, **kw))
+                else:
+                    results.append(fn(v, *a, **kw))
+        if not group:
+            return tuple(results)
+        return regroup(results, Mirrored)
