@@ -43,6 +43,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import io
 import os
 import pickle
 import re
@@ -108,7 +109,7 @@ def _resolve(strategy: Any, api: str) -> Any:
 
 def _plain(state: Any, path: tuple = ()) -> Any:
     """``state`` with modules/optimizers as state_dicts, Mirrored as replica 0's copy, tensors on CPU."""
-    if isinstance(state, torch.nn.Module) or isinstance(state, torch.optim.Optimizer):
+    if isinstance(state, (torch.nn.Module, torch.optim.Optimizer)):
         return _plain(state.state_dict(), path)
     if isinstance(state, Mirrored):
         return _plain(state.values[0], path)
@@ -291,16 +292,16 @@ def _atomic_save(obj: Any, path: str) -> None:
         pass
 
 
-def _verify(path: str) -> None:
-    """Raises CheckpointError unless ``path`` is a complete, unmodified checkpoint.
+def _verify(data: bytes, path: str) -> None:
+    """Raises CheckpointError unless ``data`` (read from ``path``) is a complete,
+    unmodified checkpoint.
 
     A file in torch's legacy (non-zip, pre-1.6) format carries no checksum; it is
     left to the safe loader, whose failures are CheckpointErrors too."""
     try:
-        with open(path, "rb") as f:
-            if f.read(1) == b"\x80":  # a bare pickle: torch's legacy format
-                return
-        with zipfile.ZipFile(path) as zf:
+        if data[:1] == b"\x80":  # a bare pickle: torch's legacy format
+            return
+        with zipfile.ZipFile(io.BytesIO(data)) as zf:
             names = [i.filename for i in zf.infolist()]
             stored = next((n for n in names if n.endswith("/" + _DIGEST)), None)
             if stored is None:  # written by torch.save or an older cr.save: the records' CRCs
@@ -319,21 +320,27 @@ def _verify(path: str) -> None:
                     f"it (modified or damaged on disk); restore it or use an older checkpoint")
     except CheckpointError:
         raise
-    except FileNotFoundError:
-        raise
-    except IsADirectoryError:
-        raise CheckpointError(f"cr.load: {path!r} is a directory, not a checkpoint file") from None
     except (zipfile.BadZipFile, EOFError, OSError, ValueError, zlib.error) as e:
         raise CheckpointError(
             f"cr.load: {path!r} is not a complete checkpoint (truncated, corrupted or not written by "
             f"cr.save / torch.save): {type(e).__name__}") from None
 
 
-def _read(path: str, map_location: Any, weights_only: bool) -> Any:
-    """Verifies and loads ``path``; every failure but a missing file is a CheckpointError."""
-    _verify(path)
+def _file_bytes(path: str) -> bytes:
+    """The bytes of ``path``; a directory is a CheckpointError, a missing file FileNotFoundError."""
     try:
-        value = torch.load(path, map_location=map_location, weights_only=weights_only)
+        with open(path, "rb") as f:
+            return f.read()
+    except IsADirectoryError:
+        raise CheckpointError(f"cr.load: {path!r} is a directory, not a checkpoint file") from None
+
+
+def _read(data: bytes, path: str, map_location: Any, weights_only: bool) -> Any:
+    """Verifies and loads a checkpoint's bytes (read from ``path``, which messages name);
+    every failure is a CheckpointError."""
+    _verify(data, path)
+    try:
+        value = torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
     except pickle.UnpicklingError as e:
         text = str(e)
         found = re.search(r"GLOBAL ([\w.]+)", text)
@@ -401,28 +408,52 @@ def load(path: str | os.PathLike, *, map_location: Any = "cpu", strategy: Any = 
     strategy = _resolve(strategy, "load")
     workers = _cross_process(strategy)
     if workers is None:
-        return _read(path, map_location, weights_only)
-    import torch.distributed as dist
-
-    box: list[Any] = [None]
+        return _read(_file_bytes(path), path, map_location, weights_only)
+    # The chief reads the file; every worker gets its bytes (never a pickle to trust) and
+    # checks and loads them with the same safe loader as a file.
+    status, payload = _OK, b""
     if workers.is_chief:
         try:
-            box[0] = ("ok", _read(path, "cpu", weights_only))
+            payload = _file_bytes(path)
         except FileNotFoundError as e:
-            box[0] = ("missing", str(e))
-        except CheckpointError as e:
-            box[0] = ("bad", str(e))
+            status, payload = _MISSING, str(e).encode()
         except Exception as e:  # noqa: BLE001 - every worker raises it
-            box[0] = ("error", f"{type(e).__name__}: {e}")
-    dist.broadcast_object_list(box, src=0)
-    status, value = box[0]
-    if status == "missing":
-        raise FileNotFoundError(f"cr.load: no checkpoint at {path!r} on the chief (rank 0): {value}")
-    if status == "bad":
-        raise CheckpointError(f"{value} (read by the chief, rank 0)")
-    if status == "error":
-        raise RuntimeError(f"cr.load: the chief (rank 0) could not read {path!r}: {value}")
+            status, payload = _FAILED, f"{type(e).__name__}: {e}".encode()
+    status, payload = _share_from_chief(status, payload)
+    if status == _MISSING:
+        raise FileNotFoundError(
+            f"cr.load: no checkpoint at {path!r} on the chief (rank 0): {payload.decode(errors='replace')}")
+    if status == _FAILED:
+        message = payload.decode(errors="replace")
+        if message.startswith("CheckpointError: "):
+            raise CheckpointError(f"{message[len('CheckpointError: '):]} (read by the chief, rank 0)")
+        raise RuntimeError(f"cr.load: the chief (rank 0) could not read {path!r}: {message}")
+    value = _read(payload, path, "cpu", weights_only)
     if map_location not in (None, "cpu"):
         value = nest.map_structure(
             lambda t: t.to(map_location) if isinstance(t, torch.Tensor) else t, value)
     return value
+
+
+_OK, _MISSING, _FAILED = 0, 1, 2
+
+
+def _share_from_chief(status: int, payload: bytes) -> tuple[int, bytes]:
+    """Rank 0's ``(status, payload)`` on every worker, as tensors (bounded by the process
+    group's timeout): a header with the status and length, then the bytes."""
+    import torch.distributed as dist
+
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if str(dist.get_backend()) == "nccl" else torch.device("cpu"))
+    header = torch.tensor([status, len(payload)], dtype=torch.int64, device=device)
+    dist.broadcast(header, src=0)
+    status, size = (int(v) for v in header.tolist())
+    if dist.get_rank() == 0:
+        data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if size
+                else torch.empty(0, dtype=torch.uint8)).to(device)
+    else:
+        data = torch.empty(size, dtype=torch.uint8, device=device)
+    if size:
+        dist.broadcast(data, src=0)
+    return status, bytes(data.cpu().contiguous().untyped_storage())
+

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Iterator
 
 from .errors import ReplicaAborted, ReplicaContextError
 from .reduce_op import ReduceOp

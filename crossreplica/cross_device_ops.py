@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import numbers
 from collections import abc
-from typing import Any, Callable, Protocol, Sequence, cast
+from typing import Any, Protocol, cast
+from collections.abc import Callable, Sequence
 
 import torch
 

@@ -19,7 +19,8 @@ import dataclasses
 import os
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -27,7 +27,8 @@ import itertools
 import math
 import operator
 from collections import abc
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from .errors import summarize
 
@@ -135,7 +136,8 @@ def _canonical(group_assignment: Any, n: int, argname: str) -> Groups:
             v = _as_int(m)
             if v is None:
                 raise ValueError(
-                    f"{argname}[{i}] must hold integer replica ids; got {summarize(m)} in {summarize(group_assignment)}")
+                    f"{argname}[{i}] must hold integer replica ids;"
+                    f" got {summarize(m)} in {summarize(group_assignment)}")
             ids.append(v)
         if not ids:
             raise ValueError(f"{argname}[{i}] is an empty group; got {summarize(group_assignment)}")
@@ -274,11 +276,14 @@ class Mesh:
         dims = {}
         for name, size in shape.items():
             if not isinstance(name, str) or not name:
-                raise ValueError(f"mesh axis names must be non-empty strings; got {summarize(name)} in {summarize(shape)}")
+                raise ValueError(
+                    f"mesh axis names must be non-empty strings;"
+                    f" got {summarize(name)} in {summarize(shape)}")
             v = _as_int(size)
             if v is None or v <= 0:
                 raise ValueError(
-                    f"mesh axis {summarize(name)} must have a positive integer size; got {summarize(size)} in {summarize(shape)}")
+                    f"mesh axis {summarize(name)} must have a positive integer size;"
+                    f" got {summarize(size)} in {summarize(shape)}")
             dims[name] = v
         self._shape = dims
         self._names = tuple(dims)
@@ -311,7 +316,9 @@ class Mesh:
         """Coordinates of ``replica``, one per axis in axis order."""
         r = _as_int(replica)
         if r is None or not 0 <= r < self.size:
-            raise ValueError(f"replica must be an int in [0, {self.size}) for {summarize(self)}; got {summarize(replica)}")
+            raise ValueError(
+                f"replica must be an int in [0, {self.size}) for {summarize(self)};"
+                f" got {summarize(replica)}")
         return tuple((r // s) % n for s, n in zip(self._strides, self._sizes))
 
     def replica(self, coords: Sequence[int] | Mapping[str, int]) -> int:
@@ -320,7 +327,8 @@ class Mesh:
             unknown = set(coords) - set(self._names)
             if unknown or len(coords) != len(self._names):
                 raise ValueError(
-                    f"coords must name every axis of {summarize(self)} ({list(self._names)}) once; got {summarize(coords)}")
+                    f"coords must name every axis of {summarize(self)} ({list(self._names)}) once;"
+                    f" got {summarize(coords)}")
             coords = [coords[n] for n in self._names]
         if isinstance(coords, (str, bytes)) or not isinstance(coords, abc.Sequence) \
                 or len(coords) != len(self._names):
@@ -338,12 +346,15 @@ class Mesh:
         if isinstance(axes, str):
             axes = (axes,)
         if not isinstance(axes, abc.Iterable):
-            raise ValueError(f"axes must be an axis name or a sequence of names of {summarize(self)}; got {summarize(axes)}")
+            raise ValueError(
+                f"axes must be an axis name or a sequence of names of {summarize(self)};"
+                f" got {summarize(axes)}")
         axes = tuple(axes)
         for a in axes:
             if a not in self._shape:
                 raise ValueError(
-                    f"axes names {summarize(a)}, which is not an axis of {summarize(self)}; valid names: {list(self._names)}")
+                    f"axes names {summarize(a)}, which is not an axis of {summarize(self)};"
+                    f" valid names: {list(self._names)}")
         if len(set(axes)) != len(axes):
             raise ValueError(f"axes must not repeat a name; got {summarize(axes)}")
         return axes

@@ -28,7 +28,8 @@ import collections
 import copy
 import dataclasses
 from collections import abc
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch.utils import _pytree as pytree

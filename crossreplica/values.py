@@ -13,7 +13,8 @@ like a shared leaf.
 from __future__ import annotations
 
 from collections import abc
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from . import nest
 from .arguments import check_int

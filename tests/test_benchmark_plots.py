@@ -38,7 +38,8 @@ def test_allreduce_picture(plot, tmp_path):
 
 
 def test_dist_allreduce_picture(plot, tmp_path):
-    row = lambda b, raw: {"bytes": b, "raw": raw, "raw_clone": raw, "engine": 2e-3}
+    def row(b, raw):
+        return {"bytes": b, "raw": raw, "raw_clone": raw, "engine": 2e-3}
     results = {"2x1": [row(4096, 1e-3), row(1 << 20, 3e-3)], "2x2": [row(4096, None), row(1 << 20, None)],
                "4x1": [row(4096, 4e-3), row(1 << 20, 9e-3)]}
     plot.plot_dist_allreduce(results, str(tmp_path / "d.png"))

@@ -419,7 +419,7 @@ def test_nests_keep_structure(run_replicas, name, kwargs, ref, shape):
     nests = _nest_inputs(4, shape=shape)
     outs = run_collective(run_replicas, name, kwargs, nests)
     for r in range(4):
-        _assert_nest(outs[r], _map_nest(lambda xs: ref(xs, r), nests))
+        _assert_nest(outs[r], _map_nest(lambda xs, r=r: ref(xs, r), nests))
 
 
 @pytest.mark.parametrize("name, kwargs", [("all_reduce", {}), ("all_gather", {}), ("broadcast", {})])

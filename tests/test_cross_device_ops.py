@@ -117,7 +117,7 @@ def test_batch_reduce_mixed_and_empty():
 
 @pytest.mark.parametrize("cls", OPS)
 def test_broadcast(cls):
-    s = strategy(3)
+    strategy(3)
     dest = per_replica(3)
     out = cls().broadcast(torch.tensor([1.0, 2.0]), dest)
     assert isinstance(out, cr.Mirrored) and len(out.values) == 3

@@ -108,7 +108,8 @@ def test_collectives_match_plain_torch(layout):
     x, xi, xb, rag = inp["x"], inp["xi"], inp["xb"], inp["ragged"]
     strided = [list(range(s, n, 2)) for s in range(2)]
     contig = [list(range(s, s + 2)) for s in range(0, n, 2)]
-    group = lambda groups, r: next(g for g in groups if r in g)
+    def group(groups, r):
+        return next(g for g in groups if r in g)
     for r, out in enumerate(res):
         assert (out["rid"], out["n"]) == (r, n)
         for op in ("sum", "mean", "max", "min", "prod"):

@@ -16,7 +16,7 @@ import crossreplica as cr
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import elastic_train
+import elastic_train  # noqa: E402  (found on the path set just above)
 
 
 def test_save_load_in_process_is_atomic_and_unwraps_mirrored(tmp_path):
@@ -89,3 +89,43 @@ def test_killed_run_resumes_from_checkpoint_under_torchrun_restarts(tmp_path):
     want = _reference(total, 2)
     for k in want:
         torch.testing.assert_close(final[k], want[k], msg=k)
+
+
+UNPICKLED = []
+
+
+class Sneaky:
+    """An object the safe loader must refuse; unpickling it records that it happened."""
+
+    def __setstate__(self, state):
+        UNPICKLED.append(state)
+
+
+def _load_refused_object(strategy):
+    path = os.path.join(os.environ["CROSSREPLICA_TEST_DIR"], "ckpt.pt")
+    if strategy.extended.is_chief:
+        obj = Sneaky()
+        obj.payload = 1
+        torch.save({"w": torch.ones(2), "sneaky": obj}, path)
+    try:
+        cr.load(path, strategy=strategy)
+        outcome = "loaded"
+    except cr.errors.CheckpointError as e:
+        outcome = str(e)
+    good = os.path.join(os.path.dirname(path), "good.pt")
+    cr.save(good, {"w": torch.arange(3.0)}, strategy=strategy)
+    return outcome, len(UNPICKLED), cr.load(good, strategy=strategy)["w"].tolist()
+
+
+@pytest.mark.multiprocess
+def test_workers_load_the_chiefs_checkpoint_with_the_safe_loader(tmp_path, monkeypatch):
+    """Every worker receives the chief's file as bytes and reads them with the safe loader:
+    an object it refuses is a CheckpointError on every worker and is never unpickled."""
+    from crossreplica.testing import run_workers
+
+    monkeypatch.setenv("CROSSREPLICA_TEST_DIR", str(tmp_path))  # the fresh workers inherit it
+    results = run_workers(_load_refused_object, 2)
+    for outcome, unpickled, good in results:
+        assert "safe loader does not read" in outcome and "Sneaky" in outcome
+        assert unpickled == 0
+        assert good == [0.0, 1.0, 2.0]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -78,3 +81,68 @@ def test_check_collectives_from_environment(monkeypatch):
         assert not strategy.extended.engine.check_collectives
     finally:
         strategy.close()
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses with a TCP socket listening on ``port`` (from /proc/net/tcp)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            address, hex_port = local.rsplit(":", 1)
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.add(address)
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc/net/tcp")
+@pytest.mark.parametrize("secret", ["s3cret-of-this-job", None])
+def test_store_listens_only_on_master_addr_and_keys_are_secret(monkeypatch, secret):
+    """Launched by hand, rank 0's store serves on MASTER_ADDR alone, and its keys live under a
+    prefix derived from the job secret (a warning says so when there is none)."""
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    from crossreplica.testing import free_port
+
+    port = free_port()
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "CROSSREPLICA_JOB_SECRET"):
+        monkeypatch.delenv(k, raising=False)
+    if secret is not None:
+        monkeypatch.setenv("CROSSREPLICA_JOB_SECRET", secret)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        strategy = cr.MultiWorkerMirroredStrategy()
+    try:
+        assert _listening_addresses(port) == {"0100007F"}  # 127.0.0.1, and no wildcard address
+        warned = [w for w in caught if "no job secret" in str(w.message)]
+        assert bool(warned) == (secret is None)
+        out = strategy.run(_double, (torch.ones(1),))
+        assert strategy.experimental_local_results(out)[0].item() == 1.0
+    finally:
+        strategy.close()
+
+
+def test_job_namespace_is_derived_from_the_secret(monkeypatch):
+    """The store prefix is a digest of the job secret: different secrets, different prefixes,
+    and the secret itself never appears in a key."""
+    from crossreplica.strategies.multi_worker import _job_namespace
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    spaces = set()
+    for secret in ("alpha", "beta"):
+        monkeypatch.setenv("CROSSREPLICA_JOB_SECRET", secret)
+        space = _job_namespace()
+        assert secret not in space and len(space) == 32
+        spaces.add(space)
+    assert len(spaces) == 2
+    monkeypatch.delenv("CROSSREPLICA_JOB_SECRET")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "3f1c-random-run-id")
+    assert _job_namespace() not in spaces

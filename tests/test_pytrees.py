@@ -71,7 +71,8 @@ def _equal(a, b):
 
 def make_nest(r):
     """Replica ``r``'s input: every kind of new container, nested in builtins."""
-    t = lambda *v: torch.tensor(v, dtype=torch.float32) * (r + 1)
+    def t(*v):
+        return torch.tensor(v, dtype=torch.float32) * (r + 1)
     return {
         "pair": Pair(t(1.0, 2.0), t(3.0)),
         "half": Pair(t(4.0)),  # b is None: in torch's context, not a leaf

@@ -85,7 +85,6 @@ def test_matches_batch_norm_forward_backward(n, shape, rows, momentum):
 def test_groups_normalise_separately():
     torch.manual_seed(2)
     xs = [torch.randn(3, 2) * (i + 1) for i in range(4)]
-    ups = [torch.ones(3, 2) for _ in range(4)]
     for spec in ({"group_assignment": [[0, 1], [2, 3]]}, {"num_shards_per_group": 2}):
         s = strategy(4)
         layers = s.mirror(cr.nn.SyncBatchNorm(2, **spec))

@@ -73,7 +73,8 @@ _MEETINGS = (Kind.MERGE_CALL, Kind.BARRIER)
 # Parameter names per kind, for Call.describe.
 _PARAM_NAMES: dict[Kind, tuple[str, ...]] = {
     Kind.ALL_REDUCE: ("op",), Kind.REDUCE_SCATTER: ("op", "dim"), Kind.ALL_GATHER: ("dim",),
-    Kind.ALL_TO_ALL: ("split_dim", "concat_dim", "input_split_sizes", "output_split_sizes"), Kind.BROADCAST: ("source",), Kind.PERMUTE: ("pairs",)}
+    Kind.ALL_TO_ALL: ("split_dim", "concat_dim", "input_split_sizes", "output_split_sizes"),
+    Kind.BROADCAST: ("source",), Kind.PERMUTE: ("pairs",)}
 
 
 def is_inplace(call: Call) -> bool:

@@ -16,8 +16,12 @@ cover every replica of every worker (the hooks below).
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
-from typing import Any, Sequence
+import socket
+import warnings
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,6 +65,40 @@ def _state_tensors(obj: Any) -> list[torch.Tensor]:
         elif isinstance(leaf, torch.Tensor):
             tensors.append(leaf.data)
     return tensors
+
+
+def _listen(address: str, port: int) -> socket.socket:
+    """A listening socket bound to ``address:port`` for the store's server."""
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"MASTER_ADDR={address!r} does not resolve to an address of this host: {e}") from None
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(sockaddr)
+        listener.listen(1024)
+    except OSError as e:
+        listener.close()
+        raise RuntimeError(
+            f"the store of rank 0 cannot listen on MASTER_ADDR={address!r}, MASTER_PORT={port}: {e}; "
+            f"MASTER_ADDR must be an address of rank 0's host and the port free") from None
+    return listener
+
+
+def _job_namespace() -> str:
+    """The store prefix of this job: derived from a secret the launcher shares with every
+    worker and nobody else (``CROSSREPLICA_JOB_SECRET``, or torchrun's run id), so a process
+    that reaches the store cannot guess the keys (the abort key among them)."""
+    secret = os.environ.get("CROSSREPLICA_JOB_SECRET") or os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if not secret or secret == "none":
+        warnings.warn(
+            "MultiWorkerMirroredStrategy: no job secret (CROSSREPLICA_JOB_SECRET, or torchrun's "
+            "--rdzv-id / --standalone run id), so the store's keys are predictable to anyone who can "
+            "reach MASTER_ADDR:MASTER_PORT; set CROSSREPLICA_JOB_SECRET to the same random value on "
+            "every worker", stacklevel=4)
+        secret = "none"
+    return hashlib.sha256(f"crossreplica-job:{secret}".encode()).hexdigest()[:32]
 
 
 class MultiWorkerExtended(StrategyExtended):
@@ -250,20 +288,30 @@ class MultiWorkerMirroredStrategy(Strategy):
                 f"{'is' if len(missing) == 1 else 'are'} not set; launch with "
                 f"`torchrun --nproc-per-node=2 script.py` (or set RANK, WORLD_SIZE, MASTER_ADDR, "
                 f"MASTER_PORT yourself)")
-        if not 0 <= rank < world:
+        if rank is None or world is None or not 0 <= rank < world:
             raise ValueError(f"RANK={rank} must be in [0, WORLD_SIZE={world})")
         port = _env_int("MASTER_PORT")
-        if not 0 < port < 65536:
+        if port is None or not 0 < port < 65536:
             raise ValueError(f"MASTER_PORT={port} must be a TCP port in 1..65535")
         # torchrun's agent keeps one store across restarts; keys of a previous attempt (gloo's
         # listening addresses among them) would be read as current, so each attempt gets a prefix.
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], port, world_size=world,
-                              is_master=(rank == 0 and not agent_store), timeout=td,
-                              wait_for_workers=False)
+        address = os.environ["MASTER_ADDR"]
+        is_master = rank == 0 and not agent_store
+        # The store serves where the user asked (MASTER_ADDR), not on every interface.
+        listener = _listen(address, port) if is_master else None
+        try:
+            tcp_store = dist.TCPStore(address, port, world_size=world, is_master=is_master, timeout=td,
+                                      wait_for_workers=False,
+                                      master_listen_fd=None if listener is None else listener.fileno())
+        except BaseException:
+            if listener is not None:
+                listener.close()
+            raise
+        if listener is not None:
+            listener.detach()  # the store's server now owns the socket; closing ours would close it
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-        store = dist.PrefixStore(f"crossreplica/{run_id}/attempt{attempt}", store)
+        store = dist.PrefixStore(f"crossreplica/{_job_namespace()}/attempt{attempt}", tcp_store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=td)
         return True
 
@@ -275,7 +323,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             self._owns_process_group = False
 
     def __repr__(self) -> str:
-        e = self.extended.engine
+        e: Any = self.extended.engine  # a TorchDistEngine or HierarchicalEngine
         return (f"MultiWorkerMirroredStrategy(num_replicas_in_sync={e.num_replicas}, worker_rank={e.rank}, "
                 f"num_workers={e.world_size}, local_replicas={list(e.local_replica_ids)}, "
                 f"devices={[str(d) for d in self.extended.worker_devices]}, backend={e.backend})")

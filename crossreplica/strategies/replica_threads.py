@@ -24,7 +24,8 @@ import atexit
 import threading
 import time
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from ..errors import (
     CollectiveMismatchError,

@@ -42,6 +42,7 @@ import multiprocessing
 import multiprocessing.connection as mpc
 import os
 import pickle
+import secrets
 import shutil
 import signal
 import socket
@@ -202,6 +203,7 @@ class WorkerPool:
         multiprocessing.set_forkserver_preload(_PRELOAD)  # no effect once the forkserver runs
         self._logroot = logroot = tempfile.mkdtemp(prefix="crossreplica-workers-")
         port = free_port()
+        self._secret = secrets.token_hex(16)  # the job secret every worker of this pool shares
         try:
             with _one_omp_thread():  # read when the forkserver imports torch
                 for rank in range(self.num_workers):
@@ -222,7 +224,8 @@ class WorkerPool:
                "LOCAL_WORLD_SIZE": str(self.num_workers), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
                "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(self.num_workers),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "TORCHELASTIC_RUN_ID": f"crossreplica-{port}"}  # one run: the strategy keys its store by it
+               "TORCHELASTIC_RUN_ID": f"crossreplica-{port}",  # one run
+               "CROSSREPLICA_JOB_SECRET": self._secret}  # the store's keys are not guessable
         mine, theirs = multiprocessing.Pipe()
         try:
             process = start_processes(
