@@ -46,73 +46,32 @@ replica's loss is the mean over its own rows.
 
 from __future__ import annotations
 
-import math
-import numbers
+import contextlib
 from collections import OrderedDict
 from typing import Any, Callable, cast
 
 import torch
 
-from .collectives import all_gather
-from .context import get_strategy, has_strategy, require_replica_context
-from .engines.base import INPLACE, Call, Kind
-from .groups import Groups, group_of, resolve_groups
-from .packing import DEFAULT_BYTES_PER_PACK, PackedBuffers
-from .reduce_op import ReduceOp
+from ..collectives import all_gather
+from ..context import get_strategy, has_strategy, require_replica_context
+from ..cross_device_ops import CommunicationOptions
+from ..engines.base import INPLACE, Call, Kind
+from ..groups import Groups, group_of, resolve_groups
+from ..packing import DEFAULT_BYTES_PER_PACK, PackedBuffers
+from ..reduce_op import ReduceOp
+from .arguments import (
+    canonical_reduction,
+    canonical_weight,
+    loss_to_buffer,
+    reduced_loss,
+)
+from .overlap import OverlappedReduction
 
-__all__ = ["CrossShardOptimizer", "DEFAULT_BYTES_PER_PACK"]
+__all__ = ["DEFAULT_BYTES_PER_PACK", "CrossShardOptimizer"]
 
 #: Gradients at least this large are not copied into a pack: they travel as
 #: their own buffer in the same engine call (packing pays for small tensors).
 ALONE_BYTES = 256 * 1024
-
-_VALID_REDUCTIONS = (ReduceOp.MEAN, ReduceOp.SUM)
-
-
-def _canonical_reduction(reduction: Any) -> ReduceOp:
-    op = None
-    if isinstance(reduction, ReduceOp):
-        op = reduction
-    elif isinstance(reduction, str):
-        op = ReduceOp.__members__.get(reduction.upper())
-    if op not in _VALID_REDUCTIONS:
-        raise ValueError(
-            f"reduction must be one of 'mean', 'sum' (or cr.ReduceOp.MEAN / SUM); got {reduction!r}")
-    return op
-
-
-def _canonical_weight(weight: Any) -> float:
-    if isinstance(weight, torch.Tensor):
-        if weight.numel() != 1:
-            raise ValueError(f"weight must be a number (the replica's row count); got a tensor of "
-                             f"shape {list(weight.shape)}")
-        weight = weight.item()
-    if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight) \
-            or weight < 0:
-        raise ValueError(
-            f"weight must be a finite number >= 0 (usually the replica's row count, x.shape[0]); "
-            f"got {weight!r}")
-    return float(weight)
-
-
-def _loss_buffer(loss: Any) -> torch.Tensor | None:
-    """The closure's loss as a float64 buffer for the reduction, or None if it is no number."""
-    if isinstance(loss, torch.Tensor):
-        if loss.numel() != 1 or loss.is_sparse:
-            return None
-        # A copy: the engine reduces this buffer in place, and the caller's loss stays as it was.
-        return loss.detach().reshape(1).to("cpu", torch.float64, copy=True)
-    if isinstance(loss, numbers.Real) and not isinstance(loss, bool):
-        return torch.tensor([float(loss)], dtype=torch.float64)
-    return None
-
-
-def _reduced_loss(loss: Any, reduced: torch.Tensor) -> Any:
-    """The reduced value in the form the closure returned: a tensor (detached) or a float."""
-    if isinstance(loss, torch.Tensor):
-        return reduced.to(loss.device, loss.dtype).reshape(loss.shape)
-    return float(reduced.item())
-
 
 class CrossShardOptimizer(torch.optim.Optimizer):
     """An optimizer that reduces gradients across replicas, then steps ``optimizer``.
@@ -125,6 +84,14 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         bytes_per_pack: the most bytes fused into one flat buffer per
             (device, dtype); gradients larger than this, or than 256 KiB,
             travel as their own buffer (no copy), still in the same engine call.
+            With ``overlap=True``: the most bytes of one bucket.
+        overlap: reduce buckets of gradients during backward, as soon as every
+            gradient of a bucket is final (``overlap.py``); ``step()`` then
+            reduces only what is left. Use :meth:`no_sync` to accumulate
+            several backward passes. ``step(weight=...)`` is not available
+            (the gradients are reduced before it is known).
+        communication_options: a ``cr.CommunicationOptions``; a non-zero
+            ``bytes_per_pack`` replaces the argument of that name.
 
     Raises:
         TypeError: ``optimizer`` is not a torch optimizer.
@@ -133,7 +100,8 @@ class CrossShardOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, reduction: ReduceOp | str = "mean",
-                 group_assignment: Any = None, bytes_per_pack: int = DEFAULT_BYTES_PER_PACK):
+                 group_assignment: Any = None, bytes_per_pack: int = DEFAULT_BYTES_PER_PACK, *,
+                 overlap: bool = False, communication_options: CommunicationOptions | None = None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer (e.g. torch.optim.SGD(model.parameters(), "
@@ -142,12 +110,20 @@ class CrossShardOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 "optimizer is already a cr.CrossShardOptimizer; wrapping it again would reduce every "
                 "gradient twice")
+        if communication_options is not None:
+            if not isinstance(communication_options, CommunicationOptions):
+                raise TypeError(f"communication_options must be a cr.CommunicationOptions; got "
+                                f"{type(communication_options).__name__}: {communication_options!r}")
+            bytes_per_pack = communication_options.bytes_per_pack or bytes_per_pack
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be True or False; got {overlap!r}")
         if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int) or bytes_per_pack <= 0:
             raise ValueError(f"bytes_per_pack must be a positive int (bytes); got {bytes_per_pack!r}")
         self._optimizer = optimizer
-        self._reduction = _canonical_reduction(reduction)
+        self._reduction = canonical_reduction(reduction)
         self._group_assignment = group_assignment
         self._bytes_per_pack = bytes_per_pack
+        self._overlap = overlap
         self._groups_cache: tuple[int, Groups] | None = None
         self._pack_cache: tuple[tuple, PackedBuffers] | None = None
         self._synchronized = False
@@ -224,17 +200,20 @@ class CrossShardOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients (and forgets an earlier :meth:`synchronize`)."""
         self._synchronized = False
+        if self._overlapped is not None:
+            self._overlapped.reset()
         self._optimizer.zero_grad(set_to_none=set_to_none)
 
     # What a copy keeps, as torch's optimizers keep only defaults/state/param_groups:
     # hooks (often local functions), caches, the owning replica and an LR scheduler's
     # instance patch of ``step`` stay behind.
-    _PICKLED = ("_optimizer", "_reduction", "_group_assignment", "_bytes_per_pack")
+    _PICKLED = ("_optimizer", "_reduction", "_group_assignment", "_bytes_per_pack", "_overlap")
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: self.__dict__[k] for k in self._PICKLED}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("_overlap", False)
         self.__dict__.update(state)
         self._reset_runtime_state()
 
@@ -243,6 +222,11 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         self._pack_cache = None
         self._synchronized = False
         self._owner = None
+        self._overlapped: OverlappedReduction | None = None
+        if self._overlap:
+            params = list({id(p): p for g in self._optimizer.param_groups for p in g["params"]
+                           if p.requires_grad}.values())
+            self._overlapped = OverlappedReduction(params, self._bytes_per_pack, self._reduction, self._groups)
         # The hook tables torch.optim.Optimizer.__init__ would create; the
         # parameters themselves stay with the wrapped optimizer.
         self._optimizer_step_pre_hooks = OrderedDict()
@@ -290,6 +274,15 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         return self._optimizer.step()
 
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """A context in which backward passes accumulate gradients without reducing
+        them (``overlap=True``; as DDP's ``no_sync``): the first backward after it
+        reduces the sums. Without overlap nothing is reduced before ``step()``
+        anyway, so it changes nothing."""
+        if self._overlapped is None:
+            return contextlib.nullcontext()
+        return self._overlapped.no_sync()
+
     def _reducing_closure(self, closure: Callable[[], Any], weight: Any) -> Callable[[], Any]:
         def reduced() -> Any:
             with torch.enable_grad():
@@ -321,11 +314,12 @@ class CrossShardOptimizer(torch.optim.Optimizer):
     def _collect(self) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple]:
         """(dense grads, params with sparse grads, the layout key of the dense grads)."""
         seen: set[int] = set()
+        reduced = self._overlapped.reduced if self._overlapped is not None else ()
         dense, sparse, key = [], [], []
         for group in self._optimizer.param_groups:
             for p in group["params"]:
                 g = p.grad
-                if g is None or id(p) in seen:
+                if g is None or id(p) in seen or id(p) in reduced:
                     continue
                 seen.add(id(p))
                 if g.is_sparse:
@@ -362,6 +356,21 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         """
         rctx = require_replica_context("CrossShardOptimizer.step")
         self._check_owner(rctx)
+        overlapped = self._overlapped
+        if overlapped is not None:
+            overlapped.finish()  # waits for what is still in flight
+            if weight is not None and overlapped.reduced:
+                raise ValueError(
+                    f"weight={weight!r} cannot apply: with overlap=True the gradients were already "
+                    f"reduced during backward; use overlap=False for uneven batches")
+        try:
+            return self._reduce_rest(rctx, weight, loss)
+        finally:
+            if overlapped is not None:
+                overlapped.reduced.clear()
+
+    def _reduce_rest(self, rctx: Any, weight: Any, loss: Any) -> Any:
+        """The fused reduction of every gradient the overlapped buckets did not reduce."""
         rid = rctx.replica_id_in_sync_group
         groups = self._groups(rctx.num_replicas_in_sync)
         group_size = len(group_of(groups, rid))
@@ -371,7 +380,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
                 raise ValueError(
                     f"weight={weight!r} is only used with reduction='mean'; this optimizer sums "
                     f"(reduction='sum'), so leave weight out")
-            w = _canonical_weight(weight)
+            w = canonical_weight(weight)
         if group_size == 1:
             # Reducing over a group of one is the identity: no engine call, and the
             # gradients stay bitwise those of plain torch (no multiply by w, divide by w).
@@ -381,7 +390,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
                     f"pass weight > 0 (its row count)")
             return loss
         grads, sparse, key = self._collect()
-        loss_buffer = _loss_buffer(loss)
+        loss_buffer = loss_to_buffer(loss)
         if not grads and not sparse and loss_buffer is None:
             return loss
         total_weight = None
@@ -414,7 +423,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
                 for out in outs:
                     out.div_(total_weight)
             if loss_buffer is not None:
-                loss = _reduced_loss(loss, outs[-1])
+                loss = reduced_loss(loss, outs[-1])
                 outs = outs[:-1]
             if packed is not None:
                 packed.unpack_(outs, grads)
