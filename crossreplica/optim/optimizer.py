@@ -66,6 +66,7 @@ from .arguments import (
     reduced_loss,
 )
 from .overlap import OverlappedReduction
+from .sharded import ShardedUpdate
 
 __all__ = ["DEFAULT_BYTES_PER_PACK", "CrossShardOptimizer"]
 
@@ -90,6 +91,10 @@ class CrossShardOptimizer(torch.optim.Optimizer):
             reduces only what is left. Use :meth:`no_sync` to accumulate
             several backward passes. ``step(weight=...)`` is not available
             (the gradients are reduced before it is known).
+        shard_optimizer_state: ZeRO stage 1 (``sharded.py``): reduce-scatter the
+            gradients, update only this replica's shard of the parameters and
+            optimizer state, all-gather the parameters. Elementwise optimizers
+            only; no closure, no ``weight``, no sparse gradients.
         communication_options: a ``cr.CommunicationOptions``; a non-zero
             ``bytes_per_pack`` replaces the argument of that name.
 
@@ -101,7 +106,8 @@ class CrossShardOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, reduction: ReduceOp | str = "mean",
                  group_assignment: Any = None, bytes_per_pack: int = DEFAULT_BYTES_PER_PACK, *,
-                 overlap: bool = False, communication_options: CommunicationOptions | None = None):
+                 overlap: bool = False, shard_optimizer_state: bool = False,
+                 communication_options: CommunicationOptions | None = None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer (e.g. torch.optim.SGD(model.parameters(), "
@@ -115,8 +121,11 @@ class CrossShardOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"communication_options must be a cr.CommunicationOptions; got "
                                 f"{type(communication_options).__name__}: {communication_options!r}")
             bytes_per_pack = communication_options.bytes_per_pack or bytes_per_pack
-        if not isinstance(overlap, bool):
-            raise TypeError(f"overlap must be True or False; got {overlap!r}")
+        for name, flag in (("overlap", overlap), ("shard_optimizer_state", shard_optimizer_state)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False; got {flag!r}")
+        if overlap and shard_optimizer_state:
+            raise ValueError("overlap=True and shard_optimizer_state=True cannot be combined yet; pick one")
         if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int) or bytes_per_pack <= 0:
             raise ValueError(f"bytes_per_pack must be a positive int (bytes); got {bytes_per_pack!r}")
         self._optimizer = optimizer
@@ -124,6 +133,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         self._group_assignment = group_assignment
         self._bytes_per_pack = bytes_per_pack
         self._overlap = overlap
+        self._sharded = ShardedUpdate(optimizer) if shard_optimizer_state else None
         self._groups_cache: tuple[int, Groups] | None = None
         self._pack_cache: tuple[tuple, PackedBuffers] | None = None
         self._synchronized = False
@@ -172,10 +182,15 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         self._optimizer.defaults = value
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state dict (the wrapper's state-dict hooks run around it)."""
+        """The wrapped optimizer's state dict (the wrapper's state-dict hooks run around it).
+        Sharded, a collective that gathers the full state (the unsharded format)."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        state_dict = self._optimizer.state_dict()
+        if self._sharded is not None:
+            rctx = require_replica_context("CrossShardOptimizer.state_dict (shard_optimizer_state=True)")
+            state_dict = self._sharded.state_dict(rctx, self._groups(rctx.num_replicas_in_sync))
+        else:
+            state_dict = self._optimizer.state_dict()
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:
@@ -189,7 +204,10 @@ class CrossShardOptimizer(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        self._optimizer.load_state_dict(state_dict)
+        if self._sharded is not None:
+            self._sharded.load_state_dict(state_dict)
+        else:
+            self._optimizer.load_state_dict(state_dict)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -207,13 +225,14 @@ class CrossShardOptimizer(torch.optim.Optimizer):
     # What a copy keeps, as torch's optimizers keep only defaults/state/param_groups:
     # hooks (often local functions), caches, the owning replica and an LR scheduler's
     # instance patch of ``step`` stay behind.
-    _PICKLED = ("_optimizer", "_reduction", "_group_assignment", "_bytes_per_pack", "_overlap")
+    _PICKLED = ("_optimizer", "_reduction", "_group_assignment", "_bytes_per_pack", "_overlap", "_sharded")
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: self.__dict__[k] for k in self._PICKLED}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state.setdefault("_overlap", False)
+        state.setdefault("_sharded", None)
         self.__dict__.update(state)
         self._reset_runtime_state()
 
@@ -264,7 +283,15 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         Raises:
             cr.ReplicaContextError: called outside a replica function.
         """
-        require_replica_context("CrossShardOptimizer.step")
+        rctx = require_replica_context("CrossShardOptimizer.step")
+        if self._sharded is not None:
+            groups = self._groups(rctx.num_replicas_in_sync)
+            if closure is not None or weight is not None:
+                raise ValueError("shard_optimizer_state=True supports neither a closure nor weight=")
+            if len(group_of(groups, rctx.replica_id_in_sync_group)) > 1:
+                self._check_owner(rctx)
+                self._sharded.step(rctx, groups, self._reduction)
+                return None
         if closure is not None:
             # The closure recomputes the gradients, so an earlier synchronize() is moot.
             self._synchronized = False

@@ -57,7 +57,8 @@ class _Bucket:
         self.unusable = False  # a sparse gradient: left to step()
         self.pending: Pending | None = None
         n = sum(p.numel() for p in params)
-        self.flat = torch.empty(n, dtype=params[0].dtype, device=params[0].device)
+        # A parameter alone in its bucket is reduced in its own .grad (no copies).
+        self.flat = torch.empty(n if len(params) > 1 else 0, dtype=params[0].dtype, device=params[0].device)
 
 
 class OverlappedReduction:
@@ -136,7 +137,15 @@ class OverlappedReduction:
             self._next += 1
 
     def _start(self, bucket: _Bucket, engine: Any, rid: int, groups: Groups) -> None:
+        grad = bucket.params[0].grad
+        if len(bucket.params) == 1 and grad is not None and grad.is_contiguous():
+            call = Call(Kind.ALL_REDUCE, groups, (self.op, INPLACE), (tuple(grad.shape),), (grad.dtype,))
+            bucket.pending = engine.execute_async(rid, call, [grad])
+            return
         flat, offset = bucket.flat, 0
+        if flat.numel() == 0:
+            flat = bucket.flat = torch.empty(grad.numel() if grad is not None else 0, dtype=bucket.params[0].dtype,
+                                             device=bucket.params[0].device)
         for p in bucket.params:
             n = p.numel()
             flat[offset:offset + n].view_as(p).copy_(p.grad)  # type: ignore[arg-type]
@@ -158,6 +167,9 @@ class OverlappedReduction:
             if pending is None:
                 continue
             (flat,) = pending.wait()
+            if len(bucket.params) == 1 and flat is bucket.params[0].grad:
+                self.reduced.add(id(bucket.params[0]))
+                continue
             offset = 0
             for p in bucket.params:
                 n = p.numel()
