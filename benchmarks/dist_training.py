@@ -81,7 +81,7 @@ def build(model: str, width: int) -> tuple[Any, Callable[[int, int], tuple[Any, 
     return seeded(Encoder), rows((16, 32, 256), 10)
 
 
-def worker(steps: int, model: str, width: int, out_path: str | None) -> None:
+def worker(steps: int, model: str, width: int, out_path: str | None, bucket_mb: float) -> None:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -96,7 +96,8 @@ def worker(steps: int, model: str, width: int, out_path: str | None) -> None:
 
     def ours(overlap: bool) -> tuple[torch.nn.Module, Callable[[Any, Any], None]]:
         net = make()
-        opt = cr.CrossShardOptimizer(torch.optim.SGD(net.parameters(), lr=0.01), overlap=overlap)
+        opt = cr.CrossShardOptimizer(torch.optim.SGD(net.parameters(), lr=0.01), overlap=overlap,
+                                     bytes_per_pack=int(bucket_mb * 2**20) if overlap else cr.optim.DEFAULT_BYTES_PER_PACK)
 
         def step_fn(x: Any, y: Any) -> None:
             opt.zero_grad()
@@ -152,6 +153,7 @@ def main() -> None:
     p.add_argument("--model", choices=MODELS, default="demo",
                    help="demo (MLP 64-128-128-10), mlp (256-2200-2200-10, ~20 MiB of gradients), cnn, transformer")
     p.add_argument("--width", type=int, default=0, help="MLP width (demo/mlp; 0: the model's default)")
+    p.add_argument("--bucket-mb", type=float, default=4.0, help="overlap=True bucket size in MiB (default 4)")
     p.add_argument("--quick", action="store_true", help="8 steps (a smoke run)")
     p.add_argument("--plot", metavar="PATH", help="the PNG to write (default docs/img/dist_training[_w<N>].png)")
     p.add_argument("--no-plot", action="store_true", help="print the table only")
@@ -161,7 +163,7 @@ def main() -> None:
     if a.quick:
         a.steps = 8
     if a.worker:
-        worker(a.steps, a.model, a.width, a.out)
+        worker(a.steps, a.model, a.width, a.out, a.bucket_mb)
         return
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.json")
@@ -189,7 +191,7 @@ def launch(a: argparse.Namespace, out: str) -> int:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={a.workers}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", os.path.abspath(__file__), "--worker",
-           "--steps", str(a.steps), "--model", a.model, "--width", str(a.width), "--out", out]
+           "--steps", str(a.steps), "--model", a.model, "--width", str(a.width), "--bucket-mb", str(a.bucket_mb), "--out", out]
     proc = subprocess.Popen(cmd, start_new_session=True)
     try:
         return proc.wait(timeout=1800)

@@ -10,8 +10,9 @@ it has started (so every replica starts the same calls in the same order), the
 gradients are copied into the bucket's persistent flat buffer and an in-place
 all-reduce of it starts through ``Engine.execute_async``. At the end of the
 backward pass (an autograd-engine callback queued by the first hook) every
-started bucket is waited for and copied back into the ``.grad`` tensors, so a
-later backward accumulates onto finished values, and those parameters are
+started bucket is waited for and each ``.grad`` becomes its view of the bucket's
+buffer (no copy back), so a later backward accumulates onto finished values
+(in place, into the buffer) and ``zero_grad`` drops them; those parameters are
 marked reduced: the optimizer's ``step()`` reduces only the rest (parameters
 whose bucket never completed, sparse gradients) with the ordinary fused path.
 
@@ -173,7 +174,9 @@ class OverlappedReduction:
             offset = 0
             for p in bucket.params:
                 n = p.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p))  # type: ignore[union-attr]
+                # The gradient becomes its view of the bucket (no copy back): zero_grad
+                # drops it, and an accumulating backward adds into the bucket in place.
+                p.grad = flat[offset:offset + n].view_as(p)
                 offset += n
                 self.reduced.add(id(p))
 
