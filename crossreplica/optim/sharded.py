@@ -40,7 +40,7 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 class _Layout:
-    __slots__ = ("chunk", "groups", "k", "pos", "shards", "sizes")
+    __slots__ = ("chunk", "flats", "groups", "k", "pos", "shards", "sizes")
 
     def __init__(self, groups: Groups, pos: int, k: int, param_groups: list[dict[str, Any]]):
         self.groups, self.pos, self.k = groups, pos, k
@@ -53,6 +53,8 @@ class _Layout:
                 raise ValueError("shard_optimizer_state=True needs one dtype and device per parameter group; "
                                  "put parameters of other dtypes or devices in groups of their own")
             self.shards.append(torch.zeros(c, dtype=params[0].dtype, device=params[0].device))
+        # Persistent flat gradients (padding stays zero): no fresh pages every step.
+        self.flats = [torch.zeros(c * k, dtype=s.dtype, device=s.device) for s, c in zip(self.shards, self.chunk)]
 
 
 class ShardedUpdate:
@@ -88,20 +90,27 @@ class ShardedUpdate:
         assert inner is not None
         for i, g in enumerate(self.optimizer.param_groups):
             params, c, k = g["params"], layout.chunk[i], layout.k
-            flat = torch.zeros(c * k, dtype=layout.shards[i].dtype, device=layout.shards[i].device)
+            flat = layout.flats[i]
             offset = 0
             for p in params:
-                if p.grad is not None:
-                    if p.grad.is_sparse:
-                        raise ValueError("shard_optimizer_state=True does not support sparse gradients")
-                    flat[offset:offset + p.numel()].view_as(p).copy_(p.grad)
+                view = flat[offset:offset + p.numel()].view_as(p)
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad.is_sparse:
+                    raise ValueError("shard_optimizer_state=True does not support sparse gradients")
+                else:
+                    view.copy_(p.grad)
                 offset += p.numel()
             (grad,) = engine.execute(rid, Call.of(Kind.REDUCE_SCATTER, groups, (op, (0,), None), [flat]), [flat])
             shard = layout.shards[i]
             lo, hi = layout.pos * c, min((layout.pos + 1) * c, layout.sizes[i])
             with torch.no_grad():  # the parameters may have changed since the last step (a load)
-                if hi > lo:
-                    shard[:hi - lo].copy_(torch.cat([p.detach().reshape(-1) for p in params])[lo:hi])
+                offset = 0
+                for p in params:
+                    a, b = max(lo, offset), min(hi, offset + p.numel())
+                    if a < b:
+                        shard[a - lo:b - lo].copy_(p.detach().reshape(-1)[a - offset:b - offset])
+                    offset += p.numel()
             shard.grad = grad
             inner.param_groups[i].update({k2: v for k2, v in g.items() if k2 != "params"})
         inner.step()
