@@ -1,6 +1,10 @@
 """Data-parallel training step across processes: crossreplica vs torch DistributedDataParallel.
 
-    PYTHONPATH=$PWD python benchmarks/dist_training.py [--workers 2] [--steps 40] [--width N]
+    PYTHONPATH=$PWD python benchmarks/dist_training.py [--model demo|mlp|cnn|transformer] [--steps 40]
+
+Three sides per step, interleaved: DDP, CrossShardOptimizer reducing after
+backward, and CrossShardOptimizer(overlap=True) reducing buckets during
+backward (the plot shows DDP against overlap=True).
 
 Both sides train the same model on the same per-replica batches over gloo in
 the same run, one intra-op thread per process. The default model is the demo's
@@ -25,11 +29,59 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 DROPPED = 3  # first steps left out of the medians (warm-up)
 
 
-def worker(steps: int, width: int, out_path: str | None) -> None:
+MODELS = ("demo", "mlp", "cnn", "transformer")
+
+
+def build(model: str, width: int) -> tuple[Any, Callable[[int, int], tuple[Any, Any]]]:
+    """(a model factory, batch(step, rank) -> (x, y)) for ``model``."""
+    import torch
+    from torch import nn
+
+    from crossreplica.demo import make_model
+
+    def seeded(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+        def made() -> nn.Module:
+            torch.manual_seed(0)
+            return make()
+        return made
+
+    def rows(shape: tuple[int, ...], classes: int, per_row: bool = False) -> Callable[[int, int], tuple[Any, Any]]:
+        def batch(step: int, rank: int) -> tuple[Any, Any]:
+            g = torch.Generator().manual_seed(step * 1000 + rank)
+            return torch.randn(*shape, generator=g), torch.randint(0, classes, (shape[0],), generator=g)
+        return batch
+
+    if model == "demo" and width == 0:
+        return (lambda: make_model(128, seed=0)), rows((64, 64), 10)
+    if model in ("demo", "mlp"):
+        w = width or 2200
+        return seeded(lambda: nn.Sequential(nn.Linear(256, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(),
+                                            nn.Linear(w, 10))), rows((64, 256), 10)
+    if model == "cnn":
+        return seeded(lambda: nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+            nn.Linear(128 * 8 * 8, 256), nn.ReLU(), nn.Linear(256, 10))), rows((16, 3, 32, 32), 10)
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            layer = nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True)
+            self.body = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+            self.head = nn.Linear(256, 10)
+
+        def forward(self, x: Any) -> Any:
+            return self.head(self.body(x).mean(1))
+    return seeded(Encoder), rows((16, 32, 256), 10)
+
+
+def worker(steps: int, model: str, width: int, out_path: str | None, bucket_mb: float) -> None:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -38,65 +90,59 @@ def worker(steps: int, width: int, out_path: str | None) -> None:
 
     strategy = cr.MultiWorkerMirroredStrategy(timeout_seconds=600)
     rank = strategy.extended.worker_rank
-
-    from crossreplica.demo import make_model
-
     torch.set_num_threads(1)
-    inputs = 64 if width == 0 else 256
+    make, batch = build(model, width)
+    loss_fn = torch.nn.functional.cross_entropy
 
-    def make() -> torch.nn.Module:
-        if width == 0:
-            return make_model(128, seed=0)
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(256, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
-                                   torch.nn.ReLU(), torch.nn.Linear(width, 10))
+    def ours(overlap: bool) -> tuple[torch.nn.Module, Callable[[Any, Any], None]]:
+        net = make()
+        opt = cr.CrossShardOptimizer(torch.optim.SGD(net.parameters(), lr=0.01), overlap=overlap,
+                                     bytes_per_pack=int(bucket_mb * 2**20) if overlap else cr.optim.DEFAULT_BYTES_PER_PACK)
 
-    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(step * 1000 + rank)
-        return torch.randn(64, inputs, generator=g), torch.randint(0, 10, (64,), generator=g)
+        def step_fn(x: Any, y: Any) -> None:
+            opt.zero_grad()
+            loss_fn(net(x), y).backward()
+            opt.step()
+        return net, lambda x, y: strategy.run(step_fn, (x, y))
 
-    ours = make()
-    opt = cr.CrossShardOptimizer(torch.optim.SGD(ours.parameters(), lr=0.01))
-    params = list(ours.parameters())
-
-    def step_fn(x: torch.Tensor, y: torch.Tensor) -> None:
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(ours(x), y).backward()
-        opt.step()
-
+    plain, run_plain = ours(False)
+    overlapped, run_overlap = ours(True)
     ddp = DistributedDataParallel(make())
     dopt = torch.optim.SGD(ddp.parameters(), lr=0.01)
 
-    def ddp_step(x: torch.Tensor, y: torch.Tensor) -> None:
+    def ddp_step(x: Any, y: Any) -> None:
         dopt.zero_grad()
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        loss_fn(ddp(x), y).backward()
         dopt.step()
 
-    t_ours, t_ddp = [], []
+    variants = {"torch DDP": ddp_step, "crossreplica, reduce after backward": run_plain,
+                "crossreplica, overlap=True": run_overlap}
+    times: dict[str, list[float]] = {k: [] for k in variants}
     for s in range(steps):
-        x, y = batch(s)
-        dist.barrier()
-        t0 = time.perf_counter()
-        strategy.run(step_fn, (x, y))
-        t_ours.append(time.perf_counter() - t0)
-        dist.barrier()
-        t0 = time.perf_counter()
-        ddp_step(x, y)
-        t_ddp.append(time.perf_counter() - t0)
-    same = all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ours.parameters(), ddp.module.parameters()))
+        x, y = batch(s, rank)
+        for name, fn in variants.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn(x, y)
+            times[name].append(time.perf_counter() - t0)
+    diffs = {name: max(float((a - b).abs().max()) for a, b in zip(net.parameters(), ddp.module.parameters()))
+             for name, net in (("plain", plain), ("overlap", overlapped))}
     if rank == 0:
-        n = sum(p.numel() for p in params)
-        a, b = statistics.median(t_ours[DROPPED:]), statistics.median(t_ddp[DROPPED:])
-        print(f"params {n} ({n * 4 / 2**20:.1f} MiB of gradients), {dist.get_world_size()} workers, "
-              f"batch 64 per replica, {steps} steps (first {DROPPED} dropped)")
+        n = sum(p.numel() for p in plain.parameters())
+        base = statistics.median(times["torch DDP"][DROPPED:])
+        print(f"model {model}: {n} params ({n * 4 / 2**20:.1f} MiB of gradients), {dist.get_world_size()} "
+              f"workers, {steps} steps (first {DROPPED} dropped), variants interleaved per step")
         print("| path | median step | vs DDP |\n|---|---|---|")
-        print(f"| torch DDP | {b * 1e3:.2f} ms | 1.00 |")
-        print(f"| crossreplica (CrossShardOptimizer) | {a * 1e3:.2f} ms | {a / b:.2f} |")
-        print(f"final parameters equal: {same}")
+        for name, ts in times.items():
+            med = statistics.median(ts[DROPPED:])
+            print(f"| {name} | {med * 1e3:.2f} ms | {med / base:.3f} |")
+        print(f"max abs diff of the final parameters vs DDP: reduce after backward {diffs['plain']:.3g}, "
+              f"overlap {diffs['overlap']:.3g}")
         if out_path:
             with open(out_path, "w") as f:
-                json.dump({"ours": t_ours[DROPPED:], "ddp": t_ddp[DROPPED:], "params": n,
-                           "workers": dist.get_world_size(), "same": same}, f)
+                json.dump({"ours": times["crossreplica, overlap=True"][DROPPED:],
+                           "ddp": times["torch DDP"][DROPPED:], "params": n,
+                           "workers": dist.get_world_size(), "diffs": diffs}, f)
     strategy.close()
 
 
@@ -104,7 +150,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--width", type=int, default=0, help="MLP width (default 0: the demo model)")
+    p.add_argument("--model", choices=MODELS, default="demo",
+                   help="demo (MLP 64-128-128-10), mlp (256-2200-2200-10, ~20 MiB of gradients), cnn, transformer")
+    p.add_argument("--width", type=int, default=0, help="MLP width (demo/mlp; 0: the model's default)")
+    p.add_argument("--bucket-mb", type=float, default=4.0, help="overlap=True bucket size in MiB (default 4)")
     p.add_argument("--quick", action="store_true", help="8 steps (a smoke run)")
     p.add_argument("--plot", metavar="PATH", help="the PNG to write (default docs/img/dist_training[_w<N>].png)")
     p.add_argument("--no-plot", action="store_true", help="print the table only")
@@ -114,7 +163,7 @@ def main() -> None:
     if a.quick:
         a.steps = 8
     if a.worker:
-        worker(a.steps, a.width, a.out)
+        worker(a.steps, a.model, a.width, a.out, a.bucket_mb)
         return
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.json")
@@ -124,9 +173,12 @@ def main() -> None:
             from _plot import SMOKE_NOTE, default_path, plot_dist_training
             with open(out) as f:
                 res = json.load(f)
-            model = "demo MLP 64-128-128-10" if a.width == 0 else f"MLP 256-{a.width}-{a.width}-10"
-            plot_dist_training(res["ddp"], res["ours"],
-                               a.plot or default_path("dist_training" + (f"_w{a.width}" if a.width else "")),
+            model = {"demo": "demo MLP 64-128-128-10", "mlp": "MLP 256-2200-2200-10", "cnn": "small CNN",
+                     "transformer": "3-layer transformer encoder"}[a.model]
+            if a.width and a.model in ("demo", "mlp"):
+                model = f"MLP 256-{a.width}-{a.width}-10"
+            name = "dist_training" + ("" if a.model == "demo" else f"_{a.model}") + (f"_w{a.width}" if a.width else "")
+            plot_dist_training(res["ddp"], res["ours"], a.plot or default_path(name),
                                f"{model} ({res['params'] * 4 / 2**20:.1f} MiB of gradients), "
                                f"{res['workers']} processes, 64 rows each", SMOKE_NOTE if a.quick else None)
     raise SystemExit(rc)
@@ -139,7 +191,7 @@ def launch(a: argparse.Namespace, out: str) -> int:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={a.workers}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", os.path.abspath(__file__), "--worker",
-           "--steps", str(a.steps), "--width", str(a.width), "--out", out]
+           "--steps", str(a.steps), "--model", a.model, "--width", str(a.width), "--bucket-mb", str(a.bucket_mb), "--out", out]
     proc = subprocess.Popen(cmd, start_new_session=True)
     try:
         return proc.wait(timeout=1800)

@@ -33,7 +33,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -67,25 +67,39 @@ def plain_runner(model: nn.Module, x: torch.Tensor, y: torch.Tensor, threads: in
 
 
 def replica_step(model: nn.Module, opt: cr.CrossShardOptimizer, x: torch.Tensor, y: torch.Tensor,
-                 steps: int) -> None:
+                 steps: int, weighted: bool = True) -> None:
     for _ in range(steps):
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
-        opt.step(weight=x.shape[0])
+        opt.step(weight=x.shape[0] if weighted else None)
 
 
 def strategy_runner(model: nn.Module, x: torch.Tensor, y: torch.Tensor, replicas: int, threads: int,
-                    steps: int) -> tuple[Callable[[], None], cr.Strategy]:
+                    steps: int, **options: bool) -> tuple[Callable[[], None], cr.Strategy, Any]:
+    """``options``: CrossShardOptimizer's overlap / shard_optimizer_state (equal rows: no weight)."""
     s = cr.MirroredStrategy(replicas, devices=["cpu"] * replicas) if replicas > 1 else cr.OneDeviceStrategy()
     models = s.mirror(model)
     opts = s.run(lambda m: cr.CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9,
-                                                                  foreach=True)), args=(models,))
+                                                                  foreach=True), **options), args=(models,))
     (batch,) = list(s.distribute_dataset([(x, y)]))
 
     def run() -> None:
         torch.set_num_threads(threads)
-        s.run(replica_step, args=(models, opts, batch[0], batch[1], steps))
-    return run, s
+        s.run(replica_step, args=(models, opts, batch[0], batch[1], steps, not options))
+    return run, s, opts
+
+
+def state_table(opts: dict[str, Any]) -> None:
+    """Bytes of optimizer state tensors per replica, per variant."""
+    from crossreplica.optim.sharded import state_bytes
+    print("| variant | optimizer state per replica (bytes) | vs unsharded |\n|---|---:|---:|")
+    base = None
+    for name, per in opts.items():
+        sizes = [state_bytes(o._sharded.inner if o._sharded is not None else o.optimizer)
+                 for o in per.values]
+        base = base or max(sizes)
+        print(f"| {name} | {' / '.join(str(b) for b in sizes)} | {max(sizes) / base:.3f} |")
+    print()
 
 
 def measure(variants: dict[str, Callable[[], None]], rounds: int, steps: int) -> dict[str, list[float]]:
@@ -136,12 +150,18 @@ def main() -> None:
     x = torch.randn(256, 784, generator=g)
     y = torch.randint(0, 10, (256,), generator=g)
     base_name = "one process, no strategy, 2 intra-op threads (baseline)"
-    strat_run, _ = strategy_runner(mlp([784, 1024, 1024, 10]), x, y, 2, 1, args.steps)
+    strat_run, _, plain_opts = strategy_runner(mlp([784, 1024, 1024, 10]), x, y, 2, 1, args.steps)
+    overlap_run, _, _ = strategy_runner(mlp([784, 1024, 1024, 10]), x, y, 2, 1, args.steps, overlap=True)
+    shard_run, _, shard_opts = strategy_runner(mlp([784, 1024, 1024, 10]), x, y, 2, 1, args.steps,
+                                               shard_optimizer_state=True)
     variants = {
         base_name: plain_runner(mlp([784, 1024, 1024, 10]), x, y, 2, args.steps),
         "MirroredStrategy, 2 replicas x 1 intra-op thread": strat_run,
+        "  same, overlap=True": overlap_run,
+        "  same, shard_optimizer_state=True": shard_run,
     }
     mlp_times = measure(variants, args.rounds, args.steps)
+    state_table({"SGD momentum, unsharded": plain_opts, "SGD momentum, shard_optimizer_state=True": shard_opts})
     mlp_base = base_name
     table(f"MLP 784-1024-1024-10, global batch 256, SGD; {args.rounds} rounds x {args.steps} steps, interleaved",
           mlp_times, base_name)
@@ -155,7 +175,7 @@ def main() -> None:
     replicas_of = {}
     for n in (1, 2, 4):
         threads = max(1, cores // n)
-        run, _ = strategy_runner(demo.make_model(), xb, yb, n, threads, args.demo_steps)
+        run, _, _ = strategy_runner(demo.make_model(), xb, yb, n, threads, args.demo_steps)
         kind = "OneDeviceStrategy" if n == 1 else "MirroredStrategy"
         variants[f"{kind}, {n} replica(s) x {threads} intra-op thread(s)"] = run
         replicas_of[f"{kind}, {n} replica(s) x {threads} intra-op thread(s)"] = n

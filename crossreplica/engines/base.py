@@ -14,6 +14,13 @@ shape) and guarantees:
    replica's call instead of a hang or garbage (:func:`check_agreement`, the
    one comparison every engine uses).
 
+``execute_async`` starts a call and returns a :class:`Pending` whose ``wait()``
+gives the outputs; the caller may compute meanwhile (the optimizer reduces
+gradient buckets during backward). Every replica starts its asynchronous calls
+in the same order, and ``wait()`` is bounded by the engine's timeout like any
+call. The default runs the call at once (``Pending.done``); an engine that can
+overlap (torch_dist's async work handles) overrides it.
+
 The arithmetic every engine shares (the reduction order) is in
 ``reduction.py`` beside this module.
 """
@@ -23,7 +30,7 @@ from __future__ import annotations
 import abc
 import enum
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -31,7 +38,7 @@ import torch
 from ..errors import CollectiveMismatchError
 from ..groups import Groups
 
-__all__ = ["BARRIER", "DEFAULT_TIMEOUT", "FINISHED", "INPLACE", "MERGE_CALL", "Call", "Engine", "Kind",
+__all__ = ["BARRIER", "DEFAULT_TIMEOUT", "FINISHED", "INPLACE", "MERGE_CALL", "Call", "Engine", "Kind", "Pending",
            "check_agreement", "check_inplace", "is_inplace", "scatter_slice"]
 
 #: Seconds a collective waits for the other replicas unless the strategy says otherwise.
@@ -221,6 +228,34 @@ def _splits_agree(group: tuple[int, ...], calls: Sequence[Call | None]) -> bool:
     return True
 
 
+class Pending:
+    """An asynchronous call under way: ``wait()`` returns its outputs (waits once;
+    later calls return the same outputs)."""
+
+    __slots__ = ("_finish", "_outputs")
+
+    def __init__(self, finish: Callable[[], list[torch.Tensor]]):
+        self._finish: Callable[[], list[torch.Tensor]] | None = finish
+        self._outputs: list[torch.Tensor] = []
+
+    @staticmethod
+    def done(outputs: list[torch.Tensor]) -> Pending:
+        """A call that already finished with ``outputs``."""
+        pending = Pending(_never)
+        pending._finish, pending._outputs = None, outputs
+        return pending
+
+    def wait(self) -> list[torch.Tensor]:
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            self._outputs = finish()
+        return self._outputs
+
+
+def _never() -> list[torch.Tensor]:
+    raise AssertionError("unreachable: a finished Pending has no finish function")
+
+
 class Engine(abc.ABC):
     """Moves tensors between replicas; see the module docstring for the contract."""
 
@@ -232,6 +267,11 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def execute(self, replica_id: int, call: Call, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Runs ``call`` for ``replica_id`` and returns its outputs."""
+
+    def execute_async(self, replica_id: int, call: Call, tensors: list[torch.Tensor]) -> Pending:
+        """Starts ``call`` for ``replica_id``; see the module docstring. The default
+        runs it now and returns it finished."""
+        return Pending.done(self.execute(replica_id, call, tensors))
 
     def begin_run(self) -> None:
         """Called before a replica function starts on the local replicas."""

@@ -11,7 +11,8 @@ cross-device ops' ``Reducer`` interfaces.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
 
 import torch
 

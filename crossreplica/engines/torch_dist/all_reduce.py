@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ...reduce_op import ReduceOp
-from ..base import scatter_slice
+from ..base import Call, Kind, Pending, is_inplace, scatter_slice
 from ..reduction import reduce_into
 from .ordered import ordered_all_reduce
 from .plan import Step, by_worker_set
@@ -29,7 +29,7 @@ from .plan import Step, by_worker_set
 if TYPE_CHECKING:
     from .engine import TorchDistEngine
 
-__all__ = ["all_reduce", "reduce_scatter"]
+__all__ = ["all_reduce", "reduce_scatter", "start_all_reduce"]
 
 
 def _dist_op(op: ReduceOp, dtype: torch.dtype) -> Any:
@@ -50,6 +50,34 @@ def all_reduce(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
                     x.copy_(out)
                 row[leaf] = x
     return outs
+
+
+def start_all_reduce(eng: TorchDistEngine, call: Call, tensors: list[torch.Tensor]) -> Pending | None:
+    """Starts an in-place SUM/MEAN all-reduce of floating-point tensors on the comm
+    device as async backend work (one replica per worker); None when the call is
+    not of that form (the caller runs it synchronously). The arithmetic is the
+    synchronous path's: the backend's SUM, then MEAN divides by the group size."""
+    if call.kind is not Kind.ALL_REDUCE or not is_inplace(call) or call.params[0] not in (ReduceOp.SUM, ReduceOp.MEAN):
+        return None
+    if not all(t.is_contiguous() and t.device == eng.comm_device and t.dtype.is_floating_point for t in tensors):
+        return None
+    entries = [entry for entry in eng.planner.plan(call.groups) if entry.local]
+    if len(entries) != 1 or len(entries[0].workers) < 2 or (eng.ordered_reductions and len(entries[0].group) > 2):
+        return None
+    entry = entries[0]
+    eng.watchdog.count += 1
+    eng.watchdog.current = call
+    works = [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=entry.subgroup, async_op=True) for t in tensors]
+    divisor = len(entry.group) if call.params[0] is ReduceOp.MEAN else 0
+
+    def finish() -> list[torch.Tensor]:
+        for work in works:
+            eng.settle(lambda work=work: eng.watchdog.wait(work, entry.workers))
+        if divisor:
+            for t in tensors:
+                t.div_(divisor)
+        return list(tensors)
+    return Pending(finish)
 
 
 def reduce_scatter(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from ...errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAborted
-from ..base import FINISHED, Call, Engine, Kind, check_inplace, is_inplace
+from ..base import FINISHED, Call, Engine, Kind, Pending, check_inplace, is_inplace
 from ..buffer_pool import BufferPool
-from .all_reduce import all_reduce, reduce_scatter
+from .all_reduce import all_reduce, reduce_scatter, start_all_reduce
 from .broadcast import broadcast
 from .gather import all_gather
 from .p2p import all_to_all, permute
@@ -87,6 +87,36 @@ class TorchDistEngine(Engine):
 
     def execute(self, replica_id: int, call: Call, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return self.process([call], [tensors])[0]
+
+    def execute_async(self, replica_id: int, call: Call, tensors: list[torch.Tensor]) -> Pending:
+        """An in-place floating-point SUM/MEAN all-reduce of one replica per worker runs
+        as async work of the backend (the optimizer's buckets during backward); any
+        other call runs now."""
+        if self.replicas_per_worker == 1 and self._broken is None and not self.check_collectives:
+            try:
+                pending = start_all_reduce(self, call, tensors)
+            except RuntimeError as e:
+                raise self._failed(e) from e
+            if pending is not None:
+                return pending
+        return Pending.done(self.execute(replica_id, call, tensors))
+
+    def settle(self, fn: Any) -> Any:
+        """Runs ``fn()`` (a wait on backend work); a failure breaks the engine as in :meth:`process`."""
+        try:
+            return fn()
+        except (CollectiveMismatchError, CollectiveTimeoutError, ReplicaAborted) as e:
+            self._broken = e
+            raise
+        except RuntimeError as e:
+            raise self._failed(e) from e
+
+    def _failed(self, e: RuntimeError) -> BaseException:
+        if not is_peer_loss(e):
+            return e
+        err = self.watchdog.lost(e)
+        self._broken = err
+        return err
 
     def finish(self, replica_id: int) -> None:
         if self.check_collectives and self._broken is None:

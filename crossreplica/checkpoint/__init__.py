@@ -40,8 +40,6 @@ same host. The file gets the mode the umask gives new files.
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import hashlib
 import io
 import os
@@ -49,18 +47,18 @@ import pickle
 import re
 import secrets
 import socket
-import sys
 import zipfile
 import zlib
-from collections import OrderedDict
 from typing import Any
 
 import torch
 
-from . import context, nest
-from .errors import CheckpointError, ReplicaContextError, summarize
-from .reduce_op import ReduceOp
-from .values import Mirrored, PerReplica
+from .. import context, nest
+from ..errors import CheckpointError, ReplicaContextError
+from ..reduce_op import ReduceOp
+from ..values import Mirrored, PerReplica
+from .safe_values import decode as _decode
+from .safe_values import encode as _encode
 
 __all__ = ["save", "load"]
 
@@ -124,81 +122,6 @@ def _plain(state: Any, path: tuple = ()) -> Any:
         keys, items = nest.children(state)
         return nest.rebuild(state, keys, (_plain(v, path + (k,)) for k, v in zip(keys, items)))
     return state
-
-
-# ---------------------------------------------------------------- values the safe loader refuses
-
-_TAG = "__crossreplica_value__"  # marks a dict that stands for a converted value
-
-
-def _encode(value: Any) -> Any:
-    """``value`` with numpy arrays and scalars, namedtuples and dataclasses turned into
-    plain dicts of tensors and builtins, which ``torch.load(weights_only=True)`` reads."""
-    np = sys.modules.get("numpy")
-    if isinstance(value, torch.Tensor):
-        return value
-    if np is not None and isinstance(value, (np.ndarray, np.generic)):
-        arr = np.asarray(value)
-        if arr.dtype.hasobject:
-            raise TypeError(f"cr.save: a numpy array of dtype object ({summarize(value)}) cannot be saved "
-                            f"safely; convert it to numbers first")
-        raw = torch.frombuffer(bytearray(np.ascontiguousarray(arr).tobytes()), dtype=torch.uint8) \
-            if arr.nbytes else torch.empty(0, dtype=torch.uint8)
-        return {_TAG: "numpy", "dtype": arr.dtype.str, "shape": list(arr.shape), "data": raw,
-                "scalar": isinstance(value, np.generic)}
-    if isinstance(value, tuple) and hasattr(type(value), "_fields"):
-        return {_TAG: "namedtuple", "module": type(value).__module__, "name": type(value).__qualname__,
-                "fields": list(type(value)._fields), "values": [_encode(v) for v in value]}
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        cls = type(value)
-        return {_TAG: "dataclass", "module": cls.__module__, "name": cls.__qualname__,
-                "fields": {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}}
-    if isinstance(value, dict):
-        items = {k: _encode(v) for k, v in value.items()}
-        return OrderedDict(items) if isinstance(value, OrderedDict) else items
-    if isinstance(value, (list, tuple)):
-        return type(value)(_encode(v) for v in value)
-    return value
-
-
-def _lookup(module: str, qualname: str) -> Any:
-    """A class from a module that is already imported (a checkpoint never imports code)."""
-    obj = sys.modules.get(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part, None)
-    return obj if isinstance(obj, type) else None
-
-
-def _decode(value: Any, path: str) -> Any:
-    if isinstance(value, dict):
-        kind = value.get(_TAG)
-        if kind == "numpy":
-            import numpy as np
-            arr = np.frombuffer(value["data"].numpy().tobytes(), dtype=np.dtype(value["dtype"]))
-            arr = arr.reshape(value["shape"]).copy()
-            return arr[()] if value["scalar"] else arr
-        if kind == "namedtuple":
-            cls = _lookup(value["module"], value["name"])
-            if cls is None or not issubclass(cls, tuple) or list(getattr(cls, "_fields", ())) != value["fields"]:
-                cls = collections.namedtuple(value["name"].rsplit(".", 1)[-1], value["fields"])  # same shape
-            return cls(*(_decode(v, path) for v in value["values"]))
-        if kind == "dataclass":
-            cls = _lookup(value["module"], value["name"])
-            if cls is None or not dataclasses.is_dataclass(cls):
-                raise CheckpointError(
-                    f"cr.load: {path!r} holds a {value['module']}.{value['name']} dataclass; import "
-                    f"{value['module']} before loading (checkpoints never import code themselves)")
-            obj = cls.__new__(cls)
-            for k, v in value["fields"].items():
-                object.__setattr__(obj, k, _decode(v, path))
-            return obj
-        out = {k: _decode(v, path) for k, v in value.items()}
-        return type(value)(out) if type(value) is OrderedDict else out
-    if isinstance(value, list):
-        return [_decode(v, path) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_decode(v, path) for v in value)
-    return value
 
 
 # ---------------------------------------------------------------- the file

@@ -1,119 +1,38 @@
-"""CrossShardOptimizer: keeps replicas in sync by reducing gradients before each step.
-
-Design. The wrapper is a real :class:`torch.optim.Optimizer` that owns no
-state of its own: ``param_groups``, ``state``, ``defaults``, ``state_dict``
-and friends are the wrapped optimizer's. ``step()`` first reduces every
-non-None gradient over the replica group, then steps the wrapped optimizer,
-so every replica applies the same update to its own copy of the parameters.
-
-Dense gradients are fused into packs per (device, dtype): each pack is one
-flat buffer (persistent, reused every step), large gradients travel as
-themselves, and the whole list of buffers goes in ONE engine call (one
-rendezvous of the replicas). The reduction is elementwise, so a fused
-reduction is bitwise identical to reducing every gradient on its own.
-Sparse gradients (``nn.Embedding(sparse=True)``) are reduced by gathering
-every replica's indices and values and coalescing.
-
-With a closure (``step(closure)``, required by LBFGS), the closure is handed
-to the wrapped optimizer wrapped so that every evaluation reduces the
-gradients it computed, and the loss it returned, before the optimizer sees
-them: the wrapped optimizer only ever sees global (reduced) values, so its
-control flow (LBFGS's line search and stopping tests) is the same on every
-replica and every replica evaluates the closure the same number of times.
-
-Everything else is torch's: hooks registered on the wrapper
-(``register_step_pre_hook``, ``register_state_dict_pre_hook``, ...) fire with
-the wrapper as the optimizer, LR schedulers (ReduceLROnPlateau included)
-drive it, and pickling or deep-copying keeps what torch's own optimizers keep
-(the wrapped optimizer and the wrapper's settings; not hooks, caches, or a
-scheduler's patch of ``step``). Global step hooks
-(``torch.optim.optimizer.register_optimizer_step_pre_hook``) see two steps,
-the wrapper's and the wrapped optimizer's, as with any optimizer that steps
-another (torch's ZeroRedundancyOptimizer does the same); hooks registered on
-either optimizer fire once.
-
-In a group of one replica (OneDeviceStrategy) the reduction is the identity
-and no engine call is made, so training is bitwise that of plain torch.
-
-Uneven batches. With ``reduction="mean"`` every replica's gradient counts
-equally, which is the global mean when every replica saw as many rows. When
-they did not (the last batch of an epoch split by ``distribute_dataset``),
-pass ``weight=`` (the replica's row count, ``x.shape[0]``) to ``step`` or
-``synchronize``: the result is ``sum_r w_r g_r / sum_r w_r``, which is the
-exact gradient of the mean loss over the concatenated global batch when each
-replica's loss is the mean over its own rows.
-"""
+"""CrossShardOptimizer: keeps replicas in sync by reducing gradients before each step
+(the design is described in the package docstring, :mod:`crossreplica.optim`)."""
 
 from __future__ import annotations
 
-import math
-import numbers
+import contextlib
 from collections import OrderedDict
-from typing import Any, Callable, cast
+from typing import Any, cast
+from collections.abc import Callable
 
 import torch
 
-from .collectives import all_gather
-from .context import get_strategy, has_strategy, require_replica_context
-from .engines.base import INPLACE, Call, Kind
-from .groups import Groups, group_of, resolve_groups
-from .packing import DEFAULT_BYTES_PER_PACK, PackedBuffers
-from .reduce_op import ReduceOp
-from .errors import summarize
+from ..arguments import check_int
+from ..collectives import all_gather
+from ..context import get_strategy, has_strategy, require_replica_context
+from ..cross_device_ops import CommunicationOptions
+from ..engines.base import INPLACE, Call, Kind
+from ..errors import summarize
+from ..groups import Groups, group_of, resolve_groups
+from ..packing import DEFAULT_BYTES_PER_PACK, PackedBuffers
+from ..reduce_op import ReduceOp
+from .arguments import (
+    canonical_reduction,
+    canonical_weight,
+    loss_to_buffer,
+    reduced_loss,
+)
+from .overlap import OverlappedReduction
+from .sharded import ShardedUpdate
 
-__all__ = ["CrossShardOptimizer", "DEFAULT_BYTES_PER_PACK"]
+__all__ = ["DEFAULT_BYTES_PER_PACK", "CrossShardOptimizer"]
 
 #: Gradients at least this large are not copied into a pack: they travel as
 #: their own buffer in the same engine call (packing pays for small tensors).
 ALONE_BYTES = 256 * 1024
-
-_VALID_REDUCTIONS = (ReduceOp.MEAN, ReduceOp.SUM)
-
-
-def _canonical_reduction(reduction: Any) -> ReduceOp:
-    op = None
-    if isinstance(reduction, ReduceOp):
-        op = reduction
-    elif isinstance(reduction, str):
-        op = ReduceOp.__members__.get(reduction.upper())
-    if op not in _VALID_REDUCTIONS:
-        raise ValueError(
-            f"reduction must be one of 'mean', 'sum' (or cr.ReduceOp.MEAN / SUM); got {summarize(reduction)}")
-    return op
-
-
-def _canonical_weight(weight: Any) -> float:
-    if isinstance(weight, torch.Tensor):
-        if weight.numel() != 1:
-            raise ValueError(f"weight must be a number (the replica's row count); got a tensor of "
-                             f"shape {list(weight.shape)}")
-        weight = weight.item()
-    if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight) \
-            or weight < 0:
-        raise ValueError(
-            f"weight must be a finite number >= 0 (usually the replica's row count, x.shape[0]); "
-            f"got {summarize(weight)}")
-    return float(weight)
-
-
-def _loss_buffer(loss: Any) -> torch.Tensor | None:
-    """The closure's loss as a float64 buffer for the reduction, or None if it is no number."""
-    if isinstance(loss, torch.Tensor):
-        if loss.numel() != 1 or loss.is_sparse:
-            return None
-        # A copy: the engine reduces this buffer in place, and the caller's loss stays as it was.
-        return loss.detach().reshape(1).to("cpu", torch.float64, copy=True)
-    if isinstance(loss, numbers.Real) and not isinstance(loss, bool):
-        return torch.tensor([float(loss)], dtype=torch.float64)
-    return None
-
-
-def _reduced_loss(loss: Any, reduced: torch.Tensor) -> Any:
-    """The reduced value in the form the closure returned: a tensor (detached) or a float."""
-    if isinstance(loss, torch.Tensor):
-        return reduced.to(loss.device, loss.dtype).reshape(loss.shape)
-    return float(reduced.item())
-
 
 class CrossShardOptimizer(torch.optim.Optimizer):
     """An optimizer that reduces gradients across replicas, then steps ``optimizer``.
@@ -126,6 +45,18 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         bytes_per_pack: the most bytes fused into one flat buffer per
             (device, dtype); gradients larger than this, or than 256 KiB,
             travel as their own buffer (no copy), still in the same engine call.
+            With ``overlap=True``: the most bytes of one bucket.
+        overlap: reduce buckets of gradients during backward, as soon as every
+            gradient of a bucket is final (``overlap.py``); ``step()`` then
+            reduces only what is left. Use :meth:`no_sync` to accumulate
+            several backward passes. ``step(weight=...)`` is not available
+            (the gradients are reduced before it is known).
+        shard_optimizer_state: ZeRO stage 1 (``sharded.py``): reduce-scatter the
+            gradients, update only this replica's shard of the parameters and
+            optimizer state, all-gather the parameters. Elementwise optimizers
+            only; no closure, no ``weight``, no sparse gradients.
+        communication_options: a ``cr.CommunicationOptions``; a non-zero
+            ``bytes_per_pack`` replaces the argument of that name.
 
     Raises:
         TypeError: ``optimizer`` is not a torch optimizer.
@@ -134,7 +65,9 @@ class CrossShardOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, reduction: ReduceOp | str = "mean",
-                 group_assignment: Any = None, bytes_per_pack: int = DEFAULT_BYTES_PER_PACK):
+                 group_assignment: Any = None, bytes_per_pack: int = DEFAULT_BYTES_PER_PACK, *,
+                 overlap: bool = False, shard_optimizer_state: bool = False,
+                 communication_options: CommunicationOptions | None = None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer (e.g. torch.optim.SGD(model.parameters(), "
@@ -143,12 +76,23 @@ class CrossShardOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 "optimizer is already a cr.CrossShardOptimizer; wrapping it again would reduce every "
                 "gradient twice")
-        if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int) or bytes_per_pack <= 0:
-            raise ValueError(f"bytes_per_pack must be a positive int (bytes); got {summarize(bytes_per_pack)}")
+        if communication_options is not None:
+            if not isinstance(communication_options, CommunicationOptions):
+                raise TypeError(f"communication_options must be a cr.CommunicationOptions; got "
+                                f"{type(communication_options).__name__}: {summarize(communication_options)}")
+            bytes_per_pack = communication_options.bytes_per_pack or bytes_per_pack
+        for name, flag in (("overlap", overlap), ("shard_optimizer_state", shard_optimizer_state)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False; got {summarize(flag)}")
+        if overlap and shard_optimizer_state:
+            raise ValueError("overlap=True and shard_optimizer_state=True cannot be combined yet; pick one")
+        check_int(bytes_per_pack, "bytes_per_pack", low=1, hint=" (bytes)")
         self._optimizer = optimizer
-        self._reduction = _canonical_reduction(reduction)
+        self._reduction = canonical_reduction(reduction)
         self._group_assignment = group_assignment
         self._bytes_per_pack = bytes_per_pack
+        self._overlap = overlap
+        self._sharded = ShardedUpdate(optimizer) if shard_optimizer_state else None
         self._groups_cache: tuple[int, Groups] | None = None
         self._pack_cache: tuple[tuple, PackedBuffers] | None = None
         self._synchronized = False
@@ -197,10 +141,15 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         self._optimizer.defaults = value
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state dict (the wrapper's state-dict hooks run around it)."""
+        """The wrapped optimizer's state dict (the wrapper's state-dict hooks run around it).
+        Sharded, a collective that gathers the full state (the unsharded format)."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        state_dict = self._optimizer.state_dict()
+        if self._sharded is not None:
+            rctx = require_replica_context("CrossShardOptimizer.state_dict (shard_optimizer_state=True)")
+            state_dict = self._sharded.state_dict(rctx, self._groups(rctx.num_replicas_in_sync))
+        else:
+            state_dict = self._optimizer.state_dict()
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:
@@ -214,7 +163,10 @@ class CrossShardOptimizer(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        self._optimizer.load_state_dict(state_dict)
+        if self._sharded is not None:
+            self._sharded.load_state_dict(state_dict)
+        else:
+            self._optimizer.load_state_dict(state_dict)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -225,17 +177,21 @@ class CrossShardOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients (and forgets an earlier :meth:`synchronize`)."""
         self._synchronized = False
+        if self._overlapped is not None:
+            self._overlapped.reset()
         self._optimizer.zero_grad(set_to_none=set_to_none)
 
     # What a copy keeps, as torch's optimizers keep only defaults/state/param_groups:
     # hooks (often local functions), caches, the owning replica and an LR scheduler's
     # instance patch of ``step`` stay behind.
-    _PICKLED = ("_optimizer", "_reduction", "_group_assignment", "_bytes_per_pack")
+    _PICKLED = ("_optimizer", "_reduction", "_group_assignment", "_bytes_per_pack", "_overlap", "_sharded")
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: self.__dict__[k] for k in self._PICKLED}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("_overlap", False)
+        state.setdefault("_sharded", None)
         self.__dict__.update(state)
         self._reset_runtime_state()
 
@@ -244,6 +200,11 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         self._pack_cache = None
         self._synchronized = False
         self._owner = None
+        self._overlapped: OverlappedReduction | None = None
+        if self._overlap:
+            params = list({id(p): p for g in self._optimizer.param_groups for p in g["params"]
+                           if p.requires_grad}.values())
+            self._overlapped = OverlappedReduction(params, self._bytes_per_pack, self._reduction, self._groups)
         # The hook tables torch.optim.Optimizer.__init__ would create; the
         # parameters themselves stay with the wrapped optimizer.
         self._optimizer_step_pre_hooks = OrderedDict()
@@ -281,7 +242,15 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         Raises:
             cr.ReplicaContextError: called outside a replica function.
         """
-        require_replica_context("CrossShardOptimizer.step")
+        rctx = require_replica_context("CrossShardOptimizer.step")
+        if self._sharded is not None:
+            groups = self._groups(rctx.num_replicas_in_sync)
+            if closure is not None or weight is not None:
+                raise ValueError("shard_optimizer_state=True supports neither a closure nor weight=")
+            if len(group_of(groups, rctx.replica_id_in_sync_group)) > 1:
+                self._check_owner(rctx)
+                self._sharded.step(rctx, groups, self._reduction)
+                return None
         if closure is not None:
             # The closure recomputes the gradients, so an earlier synchronize() is moot.
             self._synchronized = False
@@ -290,6 +259,15 @@ class CrossShardOptimizer(torch.optim.Optimizer):
             self._reduce_gradients(weight)
         self._synchronized = False
         return self._optimizer.step()
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """A context in which backward passes accumulate gradients without reducing
+        them (``overlap=True``; as DDP's ``no_sync``): the first backward after it
+        reduces the sums. Without overlap nothing is reduced before ``step()``
+        anyway, so it changes nothing."""
+        if self._overlapped is None:
+            return contextlib.nullcontext()
+        return self._overlapped.no_sync()
 
     def _reducing_closure(self, closure: Callable[[], Any], weight: Any) -> Callable[[], Any]:
         def reduced() -> Any:
@@ -322,11 +300,12 @@ class CrossShardOptimizer(torch.optim.Optimizer):
     def _collect(self) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple]:
         """(dense grads, params with sparse grads, the layout key of the dense grads)."""
         seen: set[int] = set()
+        reduced = self._overlapped.reduced if self._overlapped is not None else ()
         dense, sparse, key = [], [], []
         for group in self._optimizer.param_groups:
             for p in group["params"]:
                 g = p.grad
-                if g is None or id(p) in seen:
+                if g is None or id(p) in seen or id(p) in reduced:
                     continue
                 seen.add(id(p))
                 if g.is_sparse:
@@ -363,6 +342,21 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         """
         rctx = require_replica_context("CrossShardOptimizer.step")
         self._check_owner(rctx)
+        overlapped = self._overlapped
+        if overlapped is not None:
+            overlapped.finish()  # waits for what is still in flight
+            if weight is not None and overlapped.reduced:
+                raise ValueError(
+                    f"weight={summarize(weight)} cannot apply: with overlap=True the gradients were already "
+                    f"reduced during backward; use overlap=False for uneven batches")
+        try:
+            return self._reduce_rest(rctx, weight, loss)
+        finally:
+            if overlapped is not None:
+                overlapped.reduced.clear()
+
+    def _reduce_rest(self, rctx: Any, weight: Any, loss: Any) -> Any:
+        """The fused reduction of every gradient the overlapped buckets did not reduce."""
         rid = rctx.replica_id_in_sync_group
         groups = self._groups(rctx.num_replicas_in_sync)
         group_size = len(group_of(groups, rid))
@@ -372,7 +366,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
                 raise ValueError(
                     f"weight={summarize(weight)} is only used with reduction='mean'; this optimizer sums "
                     f"(reduction='sum'), so leave weight out")
-            w = _canonical_weight(weight)
+            w = canonical_weight(weight)
         if group_size == 1:
             # Reducing over a group of one is the identity: no engine call, and the
             # gradients stay bitwise those of plain torch (no multiply by w, divide by w).
@@ -382,7 +376,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
                     f"pass weight > 0 (its row count)")
             return loss
         grads, sparse, key = self._collect()
-        loss_buffer = _loss_buffer(loss)
+        loss_buffer = loss_to_buffer(loss)
         if not grads and not sparse and loss_buffer is None:
             return loss
         total_weight = None
@@ -415,7 +409,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
                 for out in outs:
                     out.div_(total_weight)
             if loss_buffer is not None:
-                loss = _reduced_loss(loss, outs[-1])
+                loss = reduced_loss(loss, outs[-1])
                 outs = outs[:-1]
             if packed is not None:
                 packed.unpack_(outs, grads)

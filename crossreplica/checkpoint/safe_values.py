@@ -1,0 +1,94 @@
+"""Values the safe loader refuses, converted on save and restored on load.
+
+Layer: strategies (the checkpoint package). numpy arrays and scalars,
+namedtuples and dataclasses become plain dicts of tensors and builtins marked
+with a tag, which ``torch.load(weights_only=True)`` reads; loading turns them
+back, looking classes up only among modules already imported (a checkpoint
+never imports code).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import sys
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, summarize
+
+__all__ = ["encode", "decode"]
+
+_TAG = "__crossreplica_value__"  # marks a dict that stands for a converted value
+
+
+def encode(value: Any) -> Any:
+    """``value`` with numpy arrays and scalars, namedtuples and dataclasses turned into
+    plain dicts of tensors and builtins, which ``torch.load(weights_only=True)`` reads."""
+    np = sys.modules.get("numpy")
+    if isinstance(value, torch.Tensor):
+        return value
+    if np is not None and isinstance(value, (np.ndarray, np.generic)):
+        arr = np.asarray(value)
+        if arr.dtype.hasobject:
+            raise TypeError(f"cr.save: a numpy array of dtype object ({summarize(value)}) cannot be saved "
+                            f"safely; convert it to numbers first")
+        raw = torch.frombuffer(bytearray(np.ascontiguousarray(arr).tobytes()), dtype=torch.uint8) \
+            if arr.nbytes else torch.empty(0, dtype=torch.uint8)
+        return {_TAG: "numpy", "dtype": arr.dtype.str, "shape": list(arr.shape), "data": raw,
+                "scalar": isinstance(value, np.generic)}
+    if isinstance(value, tuple) and hasattr(type(value), "_fields"):
+        return {_TAG: "namedtuple", "module": type(value).__module__, "name": type(value).__qualname__,
+                "fields": list(type(value)._fields), "values": [encode(v) for v in value]}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        cls = type(value)
+        return {_TAG: "dataclass", "module": cls.__module__, "name": cls.__qualname__,
+                "fields": {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)}}
+    if isinstance(value, dict):
+        items = {k: encode(v) for k, v in value.items()}
+        return OrderedDict(items) if isinstance(value, OrderedDict) else items
+    if isinstance(value, (list, tuple)):
+        return type(value)(encode(v) for v in value)
+    return value
+
+
+def _lookup(module: str, qualname: str) -> Any:
+    """A class from a module that is already imported (a checkpoint never imports code)."""
+    obj = sys.modules.get(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, type) else None
+
+
+def decode(value: Any, path: str) -> Any:
+    if isinstance(value, dict):
+        kind = value.get(_TAG)
+        if kind == "numpy":
+            import numpy as np
+            arr = np.frombuffer(value["data"].numpy().tobytes(), dtype=np.dtype(value["dtype"]))
+            arr = arr.reshape(value["shape"]).copy()
+            return arr[()] if value["scalar"] else arr
+        if kind == "namedtuple":
+            cls = _lookup(value["module"], value["name"])
+            if cls is None or not issubclass(cls, tuple) or list(getattr(cls, "_fields", ())) != value["fields"]:
+                cls = collections.namedtuple(value["name"].rsplit(".", 1)[-1], value["fields"])  # same shape
+            return cls(*(decode(v, path) for v in value["values"]))
+        if kind == "dataclass":
+            cls = _lookup(value["module"], value["name"])
+            if cls is None or not dataclasses.is_dataclass(cls):
+                raise CheckpointError(
+                    f"cr.load: {path!r} holds a {value['module']}.{value['name']} dataclass; import "
+                    f"{value['module']} before loading (checkpoints never import code themselves)")
+            obj = cls.__new__(cls)
+            for k, v in value["fields"].items():
+                object.__setattr__(obj, k, decode(v, path))
+            return obj
+        out = {k: decode(v, path) for k, v in value.items()}
+        return type(value)(out) if type(value) is OrderedDict else out
+    if isinstance(value, list):
+        return [decode(v, path) for v in value]
+    if isinstance(value, tuple):
+        return tuple(decode(v, path) for v in value)
+    return value

@@ -1,0 +1,61 @@
+"""Argument checks and loss conversions of CrossShardOptimizer."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import torch
+
+from ..errors import summarize
+from ..reduce_op import ReduceOp
+
+__all__ = ["canonical_reduction", "canonical_weight", "loss_to_buffer", "reduced_loss"]
+
+_VALID_REDUCTIONS = (ReduceOp.MEAN, ReduceOp.SUM)
+
+
+def canonical_reduction(reduction: Any) -> ReduceOp:
+    op = None
+    if isinstance(reduction, ReduceOp):
+        op = reduction
+    elif isinstance(reduction, str):
+        op = ReduceOp.__members__.get(reduction.upper())
+    if op not in _VALID_REDUCTIONS:
+        raise ValueError(
+            f"reduction must be one of 'mean', 'sum' (or cr.ReduceOp.MEAN / SUM); got {summarize(reduction)}")
+    return op
+
+
+def canonical_weight(weight: Any) -> float:
+    if isinstance(weight, torch.Tensor):
+        if weight.numel() != 1:
+            raise ValueError(f"weight must be a number (the replica's row count); got a tensor of "
+                             f"shape {list(weight.shape)}")
+        weight = weight.item()
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight) \
+            or weight < 0:
+        raise ValueError(
+            f"weight must be a finite number >= 0 (usually the replica's row count, x.shape[0]); "
+            f"got {summarize(weight)}")
+    return float(weight)
+
+
+def loss_to_buffer(loss: Any) -> torch.Tensor | None:
+    """The closure's loss as a float64 buffer for the reduction, or None if it is no number."""
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1 or loss.is_sparse:
+            return None
+        # A copy: the engine reduces this buffer in place, and the caller's loss stays as it was.
+        return loss.detach().reshape(1).to("cpu", torch.float64, copy=True)
+    if isinstance(loss, numbers.Real) and not isinstance(loss, bool):
+        return torch.tensor([float(loss)], dtype=torch.float64)
+    return None
+
+
+def reduced_loss(loss: Any, reduced: torch.Tensor) -> Any:
+    """The reduced value in the form the closure returned: a tensor (detached) or a float."""
+    if isinstance(loss, torch.Tensor):
+        return reduced.to(loss.device, loss.dtype).reshape(loss.shape)
+    return float(reduced.item())

@@ -1,0 +1,202 @@
+"""Overlapped gradient reduction: buckets reduced during backward, as DDP does.
+
+Design. The parameters (each once, in registration order) are cut into
+buckets in *reverse* order, since backward produces the last layers' gradients
+first; a bucket holds one (device, dtype) and at most ``bucket_bytes`` (one
+parameter larger than that is a bucket of its own). A
+``register_post_accumulate_grad_hook`` on every parameter counts the final
+gradients of its bucket; when the bucket is complete, and every bucket before
+it has started (so every replica starts the same calls in the same order), the
+gradients are copied into the bucket's persistent flat buffer and an in-place
+all-reduce of it starts through ``Engine.execute_async``. At the end of the
+backward pass (an autograd-engine callback queued by the first hook) every
+started bucket is waited for and each ``.grad`` becomes its view of the bucket's
+buffer (no copy back), so a later backward accumulates onto finished values
+(in place, into the buffer) and ``zero_grad`` drops them; those parameters are
+marked reduced: the optimizer's ``step()`` reduces only the rest (parameters
+whose bucket never completed, sparse gradients) with the ordinary fused path.
+
+The reduction is the same elementwise in-place all-reduce of a flat buffer as
+the fused path's packs, so the gradients are bitwise the same. Gradient
+accumulation: inside :meth:`no_sync` the hooks do nothing and the next backward
+outside it reduces the accumulated sums (as DDP's ``no_sync``); without it,
+every backward reduces, which is still the mean of the sums (the reduction is
+linear and the earlier results are identical on every replica), up to rounding.
+
+What overlaps depends on the engine: across processes (torch_dist, one
+replica per worker) a bucket is async backend work and backward goes on while
+it travels; the in-process engines run the call at once (``Pending.done``), so
+a replica meets the others inside the hook. On 2 cores and 2 replica threads
+both cores are busy with backward anyway, so the in-process engine gains
+nothing from a communication thread; see BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..context import get_replica_context
+from ..engines.base import INPLACE, Call, Kind, Pending
+from ..groups import Groups, group_of
+from ..reduce_op import ReduceOp
+
+__all__ = ["OverlappedReduction"]
+
+
+class _Bucket:
+    __slots__ = ("flat", "index", "params", "pending", "ready", "unusable")
+
+    def __init__(self, index: int, params: list[torch.Tensor]):
+        self.index = index
+        self.params = params
+        self.ready = 0
+        self.unusable = False  # a sparse gradient: left to step()
+        self.pending: Pending | None = None
+        n = sum(p.numel() for p in params)
+        # A parameter alone in its bucket is reduced in its own .grad (no copies).
+        self.flat = torch.empty(n if len(params) > 1 else 0, dtype=params[0].dtype, device=params[0].device)
+
+
+class OverlappedReduction:
+    """The buckets and hooks of one CrossShardOptimizer; see the module docstring."""
+
+    def __init__(self, params: list[torch.Tensor], bucket_bytes: int, op: ReduceOp,
+                 groups_of: Any):
+        self.op = ReduceOp.MEAN if op is ReduceOp.MEAN else ReduceOp.SUM
+        self._groups_of = groups_of  # num_replicas -> Groups (the optimizer's cache)
+        self.enabled = True
+        #: ids of the parameters whose gradient was reduced since the optimizer last reduced
+        self.reduced: set[int] = set()
+        self._buckets: list[_Bucket] = []
+        self._next = 0  # the first bucket not started in this backward
+        self._queued = False
+        self._handles = []
+        current: list[torch.Tensor] = []
+        size = 0
+        for p in reversed(params):
+            if current and (p.dtype != current[0].dtype or p.device != current[0].device
+                            or size + p.numel() * p.element_size() > bucket_bytes):
+                self._buckets.append(_Bucket(len(self._buckets), current))
+                current, size = [], 0
+            current.append(p)
+            size += p.numel() * p.element_size()
+        if current:
+            self._buckets.append(_Bucket(len(self._buckets), current))
+        ref = weakref.ref(self)
+        for bucket in self._buckets:
+            for p in bucket.params:
+                self._handles.append(p.register_post_accumulate_grad_hook(_hook(ref, bucket.index)))
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    def remove(self) -> None:
+        """Unregisters the hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate without reducing."""
+        saved, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = saved
+
+    # ------------------------------------------------------------ during backward
+
+    def on_grad(self, index: int, p: torch.Tensor) -> None:
+        if not self.enabled:
+            return
+        rctx = get_replica_context()
+        if rctx is None:
+            return
+        groups: Groups = self._groups_of(rctx.num_replicas_in_sync)
+        rid = rctx.replica_id_in_sync_group
+        if len(group_of(groups, rid)) == 1:
+            return  # the identity: nothing to reduce
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        bucket = self._buckets[index]
+        bucket.ready += 1
+        if p.grad is None or p.grad.is_sparse:
+            bucket.unusable = True
+        while self._next < len(self._buckets):
+            b = self._buckets[self._next]
+            if b.unusable or b.ready < len(b.params):
+                return
+            self._start(b, rctx.engine, rid, groups)
+            self._next += 1
+
+    def _start(self, bucket: _Bucket, engine: Any, rid: int, groups: Groups) -> None:
+        grad = bucket.params[0].grad
+        if len(bucket.params) == 1 and grad is not None and grad.is_contiguous():
+            call = Call(Kind.ALL_REDUCE, groups, (self.op, INPLACE), (tuple(grad.shape),), (grad.dtype,))
+            bucket.pending = engine.execute_async(rid, call, [grad])
+            return
+        flat, offset = bucket.flat, 0
+        if flat.numel() == 0:
+            flat = bucket.flat = torch.empty(grad.numel() if grad is not None else 0, dtype=bucket.params[0].dtype,
+                                             device=bucket.params[0].device)
+        for p in bucket.params:
+            n = p.numel()
+            flat[offset:offset + n].view_as(p).copy_(p.grad)  # type: ignore[arg-type]
+            offset += n
+        call = Call(Kind.ALL_REDUCE, groups, (self.op, INPLACE), ((flat.numel(),),), (flat.dtype,))
+        bucket.pending = engine.execute_async(rid, call, [flat])
+
+    # ------------------------------------------------------------ after backward
+
+    def finish(self) -> None:
+        """Waits for every started bucket and copies the results into ``.grad``
+        (the end-of-backward callback; step() calls it too, for what is left)."""
+        self._queued = False
+        self._next = 0
+        for bucket in self._buckets:
+            bucket.ready = 0
+            bucket.unusable = False
+            pending, bucket.pending = bucket.pending, None
+            if pending is None:
+                continue
+            (flat,) = pending.wait()
+            if len(bucket.params) == 1 and flat is bucket.params[0].grad:
+                self.reduced.add(id(bucket.params[0]))
+                continue
+            offset = 0
+            for p in bucket.params:
+                n = p.numel()
+                # The gradient becomes its view of the bucket (no copy back): zero_grad
+                # drops it, and an accumulating backward adds into the bucket in place.
+                p.grad = flat[offset:offset + n].view_as(p)
+                offset += n
+                self.reduced.add(id(p))
+
+    def reset(self) -> None:
+        """Forgets an unfinished backward (zero_grad)."""
+        for bucket in self._buckets:
+            if bucket.pending is not None:
+                bucket.pending.wait()
+                bucket.pending = None
+            bucket.ready = 0
+            bucket.unusable = False
+        self._next = 0
+        self._queued = False
+        self.reduced.clear()
+
+
+def _hook(ref: weakref.ref, index: int) -> Any:
+    # A weak reference: a discarded optimizer's hooks do nothing.
+    def hook(p: torch.Tensor) -> None:
+        owner = ref()
+        if owner is not None:
+            owner.on_grad(index, p)
+    return hook

@@ -1,0 +1,195 @@
+"""The sharded optimizer update (ZeRO stage 1) of CrossShardOptimizer.
+
+Design. Each parameter group's parameters are viewed as one flat vector of
+``n`` elements, padded to ``k * c`` for a replica group of ``k`` (``c =
+ceil(n / k)``). The member at position ``j`` of the group owns elements ``[j*c,
+(j+1)*c)``: a step reduce-scatters the flat gradient (the same elementwise
+MEAN/SUM as the unsharded all-reduce, so the owner's shard of the gradient is
+bitwise the unsharded one), steps an optimizer of the wrapped optimizer's class
+over the shard only (its state is 1/k of the unsharded state), and all-gathers
+the updated shards into every replica's parameters.
+
+For elementwise optimizers (SGD, Adam, AdamW, RMSprop, ...) the update of each
+element depends only on that element, so the parameters are bitwise those of
+the unsharded update. Optimizers that look across a tensor (LBFGS, Adafactor,
+anything taking norms) see a shard instead of whole tensors: not supported
+(closures are refused). A parameter without a gradient in a step counts as a
+zero gradient (its optimizer state still advances). ``state_dict()`` is a
+collective: it all-gathers every shard's state into the unsharded format, so it
+loads into an unsharded optimizer, and ``load_state_dict`` takes that format
+back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..engines.base import Call, Kind
+from ..groups import Groups, group_of
+from ..reduce_op import ReduceOp
+
+__all__ = ["ShardedUpdate", "state_bytes"]
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors held in ``optimizer.state`` (the memory the sharding saves)."""
+    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor))
+
+
+class _Layout:
+    __slots__ = ("chunk", "flats", "groups", "k", "pos", "shards", "sizes")
+
+    def __init__(self, groups: Groups, pos: int, k: int, param_groups: list[dict[str, Any]]):
+        self.groups, self.pos, self.k = groups, pos, k
+        self.sizes = [sum(p.numel() for p in g["params"]) for g in param_groups]
+        self.chunk = [-(-n // k) for n in self.sizes]
+        self.shards: list[torch.Tensor] = []
+        for g, c in zip(param_groups, self.chunk):
+            params = g["params"]
+            if len({(p.dtype, p.device) for p in params}) > 1:
+                raise ValueError("shard_optimizer_state=True needs one dtype and device per parameter group; "
+                                 "put parameters of other dtypes or devices in groups of their own")
+            self.shards.append(torch.zeros(c, dtype=params[0].dtype, device=params[0].device))
+        # Persistent flat gradients (padding stays zero): no fresh pages every step.
+        self.flats = [torch.zeros(c * k, dtype=s.dtype, device=s.device) for s, c in zip(self.shards, self.chunk)]
+
+
+class ShardedUpdate:
+    """The shard optimizer and layout of one CrossShardOptimizer replica."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.inner: torch.optim.Optimizer | None = None
+        self.layout: _Layout | None = None
+        self._pending_state: dict[str, Any] | None = None
+
+    def _setup(self, groups: Groups, rid: int) -> _Layout:
+        if self.layout is not None and self.layout.groups == groups:
+            return self.layout
+        group = group_of(groups, rid)
+        layout = _Layout(groups, group.index(rid), len(group), self.optimizer.param_groups)
+        self.layout = layout
+        self.inner = type(self.optimizer)([self._hyper(g, [s]) for g, s in
+                                           zip(self.optimizer.param_groups, layout.shards)])  # type: ignore[call-arg]
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self._load(state)
+        return layout
+
+    @staticmethod
+    def _hyper(group: dict[str, Any], params: list[torch.Tensor]) -> dict[str, Any]:
+        return {**{k: v for k, v in group.items() if k != "params"}, "params": params}
+
+    def _inner(self) -> torch.optim.Optimizer:
+        """The optimizer of this replica's shard (set up on the first step or state call)."""
+        if self.inner is None:
+            raise RuntimeError("the sharded update has no shard optimizer yet; it is set up on the first step")
+        return self.inner
+
+    def step(self, rctx: Any, groups: Groups, op: ReduceOp) -> None:
+        rid, engine = rctx.replica_id_in_sync_group, rctx.engine
+        layout = self._setup(groups, rid)
+        inner = self._inner()
+        for i, g in enumerate(self.optimizer.param_groups):
+            params, c = g["params"], layout.chunk[i]
+            flat = layout.flats[i]
+            offset = 0
+            for p in params:
+                view = flat[offset:offset + p.numel()].view_as(p)
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad.is_sparse:
+                    raise ValueError("shard_optimizer_state=True does not support sparse gradients")
+                else:
+                    view.copy_(p.grad)
+                offset += p.numel()
+            (grad,) = engine.execute(rid, Call.of(Kind.REDUCE_SCATTER, groups, (op, (0,), None), [flat]), [flat])
+            shard = layout.shards[i]
+            lo, hi = layout.pos * c, min((layout.pos + 1) * c, layout.sizes[i])
+            with torch.no_grad():  # the parameters may have changed since the last step (a load)
+                offset = 0
+                for p in params:
+                    a, b = max(lo, offset), min(hi, offset + p.numel())
+                    if a < b:
+                        shard[a - lo:b - lo].copy_(p.detach().reshape(-1)[a - offset:b - offset])
+                    offset += p.numel()
+            shard.grad = grad
+            inner.param_groups[i].update({k2: v for k2, v in g.items() if k2 != "params"})
+        inner.step()
+        for i, g in enumerate(self.optimizer.param_groups):
+            shard = layout.shards[i]
+            (full,) = engine.execute(rid, Call.of(Kind.ALL_GATHER, groups, ((0,),), [shard]), [shard])
+            offset = 0
+            with torch.no_grad():
+                for p in g["params"]:
+                    p.copy_(full[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+
+    # ------------------------------------------------------------ state
+
+    def state_dict(self, rctx: Any, groups: Groups) -> dict[str, Any]:
+        """The unsharded state dict (a collective: every replica of the group calls it)."""
+        rid, engine = rctx.replica_id_in_sync_group, rctx.engine
+        layout = self._setup(groups, rid)
+        inner = self._inner()
+        out = self.optimizer.state_dict()
+        state: dict[int, dict[str, Any]] = {}
+        index = 0
+        for i, g in enumerate(self.optimizer.param_groups):
+            own = inner.state.get(layout.shards[i], {})
+            full: dict[str, Any] = {}
+            for key in sorted(own):
+                v = own[key]
+                if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == layout.chunk[i]:
+                    (v,) = engine.execute(rid, Call.of(Kind.ALL_GATHER, groups, ((0,),), [v]), [v])
+                full[key] = v
+            offset = 0
+            for p in g["params"]:
+                if full:
+                    state[index] = {key: (v[offset:offset + p.numel()].view_as(p).clone()
+                                          if isinstance(v, torch.Tensor) and v.dim() == 1
+                                          and v.numel() == layout.chunk[i] * layout.k else
+                                          (v.clone() if isinstance(v, torch.Tensor) else v))
+                                    for key, v in full.items()}
+                offset += p.numel()
+                index += 1
+        out["state"] = state
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads the unsharded format: hyperparameters into the wrapped optimizer, each
+        replica's shard of the state into its shard optimizer (at the next step if
+        the layout is not known yet)."""
+        self.optimizer.load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        if self.layout is None:
+            self._pending_state = state_dict
+        else:
+            self._load(state_dict)
+
+    def _load(self, state_dict: dict[str, Any]) -> None:
+        layout, inner = self.layout, self._inner()
+        if layout is None:
+            raise RuntimeError("the sharded update has no layout yet; it is set up on the first step")
+        saved = {int(k): v for k, v in state_dict["state"].items()}
+        index = 0
+        for i, g in enumerate(self.optimizer.param_groups):
+            params = g["params"]
+            entries = [saved.get(index + j) for j in range(len(params))]
+            index += len(params)
+            shard = layout.shards[i]
+            if not entries or entries[0] is None:
+                continue
+            own: dict[str, Any] = {}
+            c, lo = layout.chunk[i], layout.pos * layout.chunk[i]
+            for key, v in entries[0].items():
+                if isinstance(v, torch.Tensor) and v.shape == params[0].shape and v.dim() > 0:
+                    flat = torch.zeros(c * layout.k, dtype=v.dtype, device=shard.device)
+                    flat[:layout.sizes[i]] = torch.cat([e[key].reshape(-1).to(shard.device)
+                                                        for e in entries if e is not None])
+                    own[key] = flat[lo:lo + c].clone()
+                else:
+                    own[key] = v.clone() if isinstance(v, torch.Tensor) else v
+            inner.state[shard] = own
