@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 
 def timeit(fn: Callable[[], object], reps: int) -> float:

@@ -79,7 +79,7 @@ def main() -> None:
             ours, naive, copy = [], [], []
             for _ in range(trials):
                 ours.append(strategy.run(_loop, (cr.PerReplica(xs), reps)).values[0])
-                naive.append(timeit(lambda: torch.stack(xs).sum(0), reps))
+                naive.append(timeit(lambda xs=xs: torch.stack(xs).sum(0), reps))
                 copy.append(copy_time(nbytes, reps))
             t_ours, t_naive = median(ours), median(naive)
             t_bound = n * median(copy)

@@ -23,7 +23,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch.nn import functional as F

@@ -175,7 +175,7 @@ def main() -> None:
     for lay, res in all_results.items():
         for row in res:
             ms = lambda v: f"{v * 1e3:.3f} ms" if v else "-"  # noqa: E731
-            ratio = lambda v: f"{row['engine'] / v:.3f}" if v else "-"  # noqa: E731
+            ratio = lambda v, row=row: f"{row['engine'] / v:.3f}" if v else "-"  # noqa: E731
             print(f"| {lay} | {fmt_size(row['bytes'])} | {ms(row['raw'])} | {ms(row['raw_clone'])} | "
                   f"{ms(row['engine'])} | {ratio(row['raw'])} | {ratio(row['raw_clone'])} |")
     if "2x2" in all_results and "4x1" in all_results:

@@ -96,8 +96,9 @@ def worker(steps: int, model: str, width: int, out_path: str | None, bucket_mb: 
 
     def ours(overlap: bool) -> tuple[torch.nn.Module, Callable[[Any, Any], None]]:
         net = make()
+        pack = int(bucket_mb * 2**20) if overlap else cr.optim.DEFAULT_BYTES_PER_PACK
         opt = cr.CrossShardOptimizer(torch.optim.SGD(net.parameters(), lr=0.01), overlap=overlap,
-                                     bytes_per_pack=int(bucket_mb * 2**20) if overlap else cr.optim.DEFAULT_BYTES_PER_PACK)
+                                     bytes_per_pack=pack)
 
         def step_fn(x: Any, y: Any) -> None:
             opt.zero_grad()
@@ -191,7 +192,8 @@ def launch(a: argparse.Namespace, out: str) -> int:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={a.workers}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", os.path.abspath(__file__), "--worker",
-           "--steps", str(a.steps), "--model", a.model, "--width", str(a.width), "--bucket-mb", str(a.bucket_mb), "--out", out]
+           "--steps", str(a.steps), "--model", a.model, "--width", str(a.width), "--bucket-mb", str(a.bucket_mb),
+           "--out", out]
     proc = subprocess.Popen(cmd, start_new_session=True)
     try:
         return proc.wait(timeout=1800)

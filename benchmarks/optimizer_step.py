@@ -101,7 +101,7 @@ def main() -> None:
                 "step: per-tensor all_reduce + SGD (baseline)": (per_tensor_step, plain),
                 "step: fused CrossShardOptimizer.step()": (fused_step, fused)}
     times: dict[str, list[float]] = {k: [] for k in variants}
-    for name, (fn, opt) in variants.items():  # warm-up
+    for fn, opt in variants.values():  # warm-up
         s.run(fn, args=(params, grads, opt))
     for _ in range(args.rounds):
         for name, (fn, opt) in variants.items():

@@ -33,7 +33,8 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -27,7 +27,7 @@ import itertools
 import math
 import operator
 from collections import abc
-from typing import Any
+from typing import Any, cast
 from collections.abc import Mapping, Sequence
 
 from .errors import summarize
@@ -118,8 +118,9 @@ def _canonical(group_assignment: Any, n: int, argname: str) -> Groups:
             raise ValueError(
                 f"{argname}[{i}] is the bool {summarize(r)}; group indices and replica ids must be ints, "
                 f"not bools: got {summarize(group_assignment)}")
-    if all(_as_int(r) is not None for r in rows):
-        return _from_flat([_as_int(r) for r in rows], n, argname, group_assignment)
+    flat = [_as_int(r) for r in rows]
+    if all(v is not None for v in flat):
+        return _from_flat(cast(list[int], flat), n, argname, group_assignment)
     groups = []
     lengths: list[int] = []
     for i, row in enumerate(rows):

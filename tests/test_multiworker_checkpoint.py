@@ -102,8 +102,14 @@ class Sneaky:
 
 
 def _load_refused_object(strategy):
-    path = os.path.join(os.environ["CROSSREPLICA_TEST_DIR"], "ckpt.pt")
+    import shutil
+    import tempfile
+
+    # one directory per job (every worker of it shares MASTER_PORT); the chief reads and writes it
+    directory = os.path.join(tempfile.gettempdir(), f"crossreplica-safe-load-{os.environ['MASTER_PORT']}")
+    path = os.path.join(directory, "ckpt.pt")
     if strategy.extended.is_chief:
+        os.makedirs(directory, exist_ok=True)
         obj = Sneaky()
         obj.payload = 1
         torch.save({"w": torch.ones(2), "sneaky": obj}, path)
@@ -114,16 +120,19 @@ def _load_refused_object(strategy):
         outcome = str(e)
     good = os.path.join(os.path.dirname(path), "good.pt")
     cr.save(good, {"w": torch.arange(3.0)}, strategy=strategy)
-    return outcome, len(UNPICKLED), cr.load(good, strategy=strategy)["w"].tolist()
+    loaded = cr.load(good, strategy=strategy)["w"].tolist()
+    cr.load(good, strategy=strategy)  # a last collective: every worker is done before the chief cleans up
+    if strategy.extended.is_chief:
+        shutil.rmtree(directory, ignore_errors=True)
+    return outcome, len(UNPICKLED), loaded
 
 
 @pytest.mark.multiprocess
-def test_workers_load_the_chiefs_checkpoint_with_the_safe_loader(tmp_path, monkeypatch):
+def test_workers_load_the_chiefs_checkpoint_with_the_safe_loader():
     """Every worker receives the chief's file as bytes and reads them with the safe loader:
     an object it refuses is a CheckpointError on every worker and is never unpickled."""
     from crossreplica.testing import run_workers
 
-    monkeypatch.setenv("CROSSREPLICA_TEST_DIR", str(tmp_path))  # the fresh workers inherit it
     results = run_workers(_load_refused_object, 2)
     for outcome, unpickled, good in results:
         assert "safe loader does not read" in outcome and "Sneaky" in outcome

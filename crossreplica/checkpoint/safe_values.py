@@ -39,9 +39,10 @@ def encode(value: Any) -> Any:
             if arr.nbytes else torch.empty(0, dtype=torch.uint8)
         return {_TAG: "numpy", "dtype": arr.dtype.str, "shape": list(arr.shape), "data": raw,
                 "scalar": isinstance(value, np.generic)}
-    if isinstance(value, tuple) and hasattr(type(value), "_fields"):
+    fields = getattr(type(value), "_fields", None) if isinstance(value, tuple) else None
+    if fields is not None:
         return {_TAG: "namedtuple", "module": type(value).__module__, "name": type(value).__qualname__,
-                "fields": list(type(value)._fields), "values": [encode(v) for v in value]}
+                "fields": list(fields), "values": [encode(v) for v in value]}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         cls = type(value)
         return {_TAG: "dataclass", "module": cls.__module__, "name": cls.__qualname__,
@@ -71,13 +72,14 @@ def decode(value: Any, path: str) -> Any:
             arr = arr.reshape(value["shape"]).copy()
             return arr[()] if value["scalar"] else arr
         if kind == "namedtuple":
-            cls = _lookup(value["module"], value["name"])
-            if cls is None or not issubclass(cls, tuple) or list(getattr(cls, "_fields", ())) != value["fields"]:
-                cls = collections.namedtuple(value["name"].rsplit(".", 1)[-1], value["fields"])  # same shape
-            return cls(*(decode(v, path) for v in value["values"]))
+            found = _lookup(value["module"], value["name"])
+            if found is None or not issubclass(found, tuple) or list(getattr(found, "_fields", ())) != value["fields"]:
+                found = collections.namedtuple(  # type: ignore[misc,no-redef]  # a class of the same shape
+                    value["name"].rsplit(".", 1)[-1], value["fields"])
+            return found(*(decode(v, path) for v in value["values"]))
         if kind == "dataclass":
             cls = _lookup(value["module"], value["name"])
-            if cls is None or not dataclasses.is_dataclass(cls):
+            if cls is None or not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
                 raise CheckpointError(
                     f"cr.load: {path!r} holds a {value['module']}.{value['name']} dataclass; import "
                     f"{value['module']} before loading (checkpoints never import code themselves)")

@@ -179,8 +179,9 @@ class ReplicaThreads:
             self._start()
         self.busy = True
         self._body, self._on_error = body, on_error
-        self._results = results = [None] * self.n
-        self._errors = errors = []
+        results: list[Any] = [None] * self.n
+        errors: list[tuple[int, BaseException]] = []  # (replica, exception), in the order they failed
+        self._results, self._errors = results, errors
         self._remaining = self.n
         try:
             for g in self._go:
@@ -198,7 +199,7 @@ class ReplicaThreads:
             self._errors = []
             self.busy = False
         if errors:
-            results = None
+            del results  # the failed run's results are not kept alive by this frame
             raise_first_failure(errors, names)
         return results
 
