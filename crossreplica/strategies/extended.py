@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from .. import collectives, context
+from .. import collectives, context, torch_state
 from ..context import ReplicaContext
 from ..cross_device_ops import AllReduceCrossDeviceOps, CrossDeviceOps
 from ..engines.base import MERGE_CALL, Engine, check_agreement
@@ -113,6 +113,9 @@ class StrategyExtended:
         # not report to this run's engine (it would look like a replica that
         # returned early, or abort this run).
         self._run_token = token = object()
+        # The caller's thread-local torch state (grad mode, autocast, default device,
+        # ...): each replica thread runs under it, as the caller's thread would.
+        state = torch_state.capture()
         engine.begin_run()
 
         def body(i: int) -> Any:
@@ -120,11 +123,12 @@ class StrategyExtended:
             a, kw = select_replica(i, args), select_replica(i, kwargs)
             context.push(strategy, rctx)
             try:
-                if devices[i].type == "cuda":
-                    with torch.cuda.device(devices[i]):
+                with torch_state.applied(state):
+                    if devices[i].type == "cuda":
+                        with torch.cuda.device(devices[i]):
+                            out = fn(*a, **kw)
+                    else:
                         out = fn(*a, **kw)
-                else:
-                    out = fn(*a, **kw)
             finally:
                 context.pop()
             if self._run_token is token:
