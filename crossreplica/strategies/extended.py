@@ -21,7 +21,7 @@ from ..cross_device_ops import AllReduceCrossDeviceOps, CrossDeviceOps
 from ..engines.base import MERGE_CALL, Engine, check_agreement
 from ..engines.reduction import reduce_into
 from ..errors import ReplicaContextError, summarize
-from ..reduce_op import ReduceOp
+from ..reduce_op import ReduceOp, from_wire, to_wire
 from ..values import (
     DistributedValues,
     Mirrored,
@@ -177,9 +177,12 @@ class StrategyExtended:
 
     def reduce_values(self, op: ReduceOp, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Reduces one tensor per local replica (in local order) over all replicas in sync."""
-        device = tensors[0].device
-        xs = [t.to(device) for t in tensors]
-        return reduce_into(op, torch.empty_like(xs[0], memory_format=torch.contiguous_format), xs)
+        device, dtype = tensors[0].device, tensors[0].dtype
+        # In the wire dtype (float16 sums in float32, rounded once; unsigned ints as
+        # signed), as the collectives do, so every strategy and engine gives the same bytes.
+        xs = [to_wire(op, t.to(device)) for t in tensors]
+        out = reduce_into(op, torch.empty_like(xs[0], memory_format=torch.contiguous_format), xs)
+        return from_wire(op, out, dtype)
 
     def gather_values(self, tensors: Sequence[torch.Tensor], axis: int) -> torch.Tensor:
         """Concatenates one tensor per local replica over all replicas in sync."""

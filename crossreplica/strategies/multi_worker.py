@@ -29,7 +29,7 @@ from ..engines.hierarchical import HierarchicalEngine
 from ..engines.torch_dist import TorchDistEngine
 from ..errors import summarize
 from ..groups import Groups
-from ..reduce_op import ReduceOp
+from ..reduce_op import ReduceOp, from_wire, to_wire
 from ..timeouts import canonical_timeout
 from .base import Strategy, StrategyExtended
 
@@ -93,8 +93,10 @@ class MultiWorkerExtended(StrategyExtended):
         if self.engine.world_size == 1:
             return super().reduce_values(op, tensors)
         xs = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t) for t in tensors]
+        dtype = xs[0].dtype
+        xs = [to_wire(op, x) for x in xs]  # as StrategyExtended.reduce_values
         calls = [Call.of(Kind.ALL_REDUCE, self._world(), (op,), [x]) for x in xs]
-        return self.engine.process(calls, [[x] for x in xs])[0][0]
+        return from_wire(op, self.engine.process(calls, [[x] for x in xs])[0][0], dtype)
 
     def gather_values(self, tensors: Sequence[torch.Tensor], axis: int) -> torch.Tensor:
         """Concatenates every replica's tensor along ``axis``, in global replica order."""
