@@ -67,6 +67,21 @@ def _portable(t):
     return t.view(SIGNED[t.dtype]) if isinstance(t, torch.Tensor) and t.dtype in SIGNED else t
 
 
+def reference_axis(op, dtype, xs):
+    """strategy.reduce(op, v, axis=0) of 1-d values: every element of every replica."""
+    if dtype in UNSIGNED:
+        return reference(op, dtype, [x[i:i + 1] for x in xs for i in range(len(x))])[0]
+    wide = torch.float32 if dtype in LOW else dtype
+    local = {"sum": lambda t: t.sum(0), "mean": lambda t: t.sum(0), "prod": lambda t: t.prod(0),
+             "max": lambda t: t.amax(0), "min": lambda t: t.amin(0)}[op]
+    fs = {"sum": torch.add, "mean": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}
+    out = functools.reduce(fs[op], [local(x.to(wide)) for x in xs])
+    if op == "mean":
+        out = out / sum(len(x) for x in xs)
+    # torch's own promotions (an int32 sum is int64) hold for the dtypes torch can reduce
+    return out.to(dtype) if dtype in LOW else out
+
+
 def _reductions(x, name):
     dtype = getattr(torch, name)
     x = x.view(dtype)
@@ -81,6 +96,7 @@ def _reductions(x, name):
         got = {}
         for op in ops_for(dtype):
             got[("strategy.reduce", op)] = strategy.reduce(op, v)
+            got[("strategy.reduce axis", op)] = strategy.reduce(op, v, axis=0)
             got[("reduce_to", op)] = strategy.experimental_local_results(
                 strategy.extended.reduce_to(op, v, v))[0]
             pair = strategy.extended.batch_reduce_to(op, [(v, v), (v, v)])
@@ -107,6 +123,9 @@ def test_reductions_exact_on_every_engine(run_replicas, dtype):
                 got = out[(where, op)]
                 assert got.dtype == dtype, (where, op)
                 assert torch.equal(got, ref), (where, op, got, ref)
+            got = out[("strategy.reduce axis", op)]
+            ref_axis = reference_axis(op, dtype, xs)
+            assert got.dtype == ref_axis.dtype and torch.equal(got, ref_axis), ("axis", op, got, ref_axis)
             part = out[("reduce_scatter", op)]
             assert torch.equal(part, ref.chunk(N)[r]), ("reduce_scatter", op)
         if dtype.is_floating_point:
