@@ -142,3 +142,25 @@ def test_float16_mean_of_40000_does_not_overflow():
     out = s.run(lambda: cr.cross_replica_mean(x))
     assert all(torch.equal(v, x) for v in out.values)
     assert torch.equal(s.reduce("mean", s.run(lambda: x * 1)), x)
+
+
+def _moves(x, name):
+    dtype = getattr(torch, name)
+    x = x.view(dtype)
+    out = {"all_gather": cr.all_gather(x), "broadcast": cr.broadcast(x, source=1)}
+
+    def merge_fn(strategy, v):
+        return {"gather": strategy.gather(v, 0)}
+
+    out.update(cr.get_replica_context().merge_call(merge_fn, args=(x,)))
+    return {k: _portable(v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("dtype", list(UNSIGNED), ids=lambda d: str(d).replace("torch.", ""))
+def test_unsigned_data_movement_on_every_engine(run_replicas, dtype):
+    xs = [values(dtype, r) for r in range(N)]
+    name = str(dtype).replace("torch.", "")
+    for out in run_replicas(_moves, N, [_portable(x) for x in xs], [name] * N):
+        assert torch.equal(out["all_gather"].view(dtype), torch.cat(xs))
+        assert torch.equal(out["broadcast"].view(dtype), xs[1])
+        assert torch.equal(out["gather"].view(dtype), torch.cat(xs))

@@ -102,18 +102,20 @@ class MultiWorkerExtended(StrategyExtended):
         """Concatenates every replica's tensor along ``axis``, in global replica order."""
         if self.engine.world_size == 1:
             return super().gather_values(tensors, axis)
-        xs = [t.unsqueeze(0) if t.dim() == 0 else t for t in tensors]
+        dtype = tensors[0].dtype
+        xs = [to_wire(None, t.unsqueeze(0) if t.dim() == 0 else t) for t in tensors]
         axis = axis % xs[0].dim()
         calls = [Call.of(Kind.ALL_GATHER, self._world(), ((axis,),), [x]) for x in xs]
-        return self.engine.process(calls, [[x] for x in xs])[0][0]
+        return from_wire(None, self.engine.process(calls, [[x] for x in xs])[0][0], dtype)
 
     def broadcast_values(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Replica 0's tensor (of worker 0), given one tensor per local replica."""
         if self.engine.world_size == 1:
             return super().broadcast_values(tensors)
-        xs = list(tensors)
+        dtype = tensors[0].dtype
+        xs = [to_wire(None, x) for x in tensors]  # unsigned ints travel as signed ones
         calls = [Call.of(Kind.BROADCAST, self._world(), (0,), [x]) for x in xs]
-        return self.engine.process(calls, [[x] for x in xs])[0][0]
+        return from_wire(None, self.engine.process(calls, [[x] for x in xs])[0][0], dtype)
 
     def broadcast_initial_state(self, mirrored: Any) -> Any:
         """Overwrites every local copy in ``mirrored`` (a Mirrored of modules, tensors or
