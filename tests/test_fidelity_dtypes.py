@@ -147,7 +147,9 @@ def test_float16_mean_of_40000_does_not_overflow():
 def _moves(x, name):
     dtype = getattr(torch, name)
     x = x.view(dtype)
-    out = {"all_gather": cr.all_gather(x), "broadcast": cr.broadcast(x, source=1)}
+    out = {"all_gather": cr.all_gather(x), "broadcast": cr.broadcast(x, source=1),
+           "all_to_all": cr.all_to_all(x, 0, 0),
+           "permute": cr.collective_permute(x, [(r, (r + 1) % N) for r in range(N)])}
 
     def merge_fn(strategy, v):
         return {"gather": strategy.gather(v, 0)}
@@ -160,7 +162,24 @@ def _moves(x, name):
 def test_unsigned_data_movement_on_every_engine(run_replicas, dtype):
     xs = [values(dtype, r) for r in range(N)]
     name = str(dtype).replace("torch.", "")
-    for out in run_replicas(_moves, N, [_portable(x) for x in xs], [name] * N):
+    for r, out in enumerate(run_replicas(_moves, N, [_portable(x) for x in xs], [name] * N)):
         assert torch.equal(out["all_gather"].view(dtype), torch.cat(xs))
+        assert torch.equal(out["all_to_all"].view(dtype), torch.cat([x.chunk(N)[r] for x in xs]))
+        assert torch.equal(out["permute"].view(dtype), xs[(r - 1) % N])
         assert torch.equal(out["broadcast"].view(dtype), xs[1])
         assert torch.equal(out["gather"].view(dtype), torch.cat(xs))
+
+
+def _grad_fp16(x):
+    x = x.clone().requires_grad_(True)
+    y = cr.cross_replica_mean(x * 1000)
+    y.sum().backward()
+    return y.detach(), x.grad
+
+
+def test_float16_mean_is_differentiable_on_every_engine(run_replicas):
+    xs = [torch.full((4,), 40.0 + r, dtype=torch.float16) for r in range(N)]
+    ref = reference("mean", torch.float16, [(x * 1000) for x in xs])
+    for y, g in run_replicas(_grad_fp16, N, xs):
+        assert y.dtype == torch.float16 and torch.equal(y, ref)
+        assert g.dtype == torch.float16 and torch.equal(g, torch.full((4,), 1000.0, dtype=torch.float16))
