@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from .errors import summarize
 
-__all__ = ["ReduceOp"]
+__all__ = ["WIRE_DTYPES", "ReduceOp", "from_wire", "to_wire", "wire_dtype"]
 
 
 class ReduceOp(enum.Enum):
@@ -67,3 +67,69 @@ def reduce_non_distributed_value(op: ReduceOp, value: Any, num_replicas: int) ->
     raise ValueError(
         f"a non-distributed value {summarize(value)} cannot be reduced with op={op} over {num_replicas} "
         f"replicas; pass a cr.PerReplica (one value per replica), or use op='mean'")
+
+
+# --------------------------------------------------------------------------- wire dtypes
+#
+# Engines reduce in the dtype they are handed. Two kinds of dtype are handed over in
+# another one, by the semantic layer (collectives, strategies' reduce_values), before
+# the engine call, and brought back after it, so every engine sees the same bytes:
+#
+# * low precision floats (float16, bfloat16, float8 types, complex32): SUM, MEAN and
+#   PROD accumulate in float32 / complex64 and round once at the end (no overflow of
+#   the partial sums where the result is representable). MAX/MIN need no upcast,
+#   except for float8, which torch cannot compare (the round trip is exact).
+# * unsigned ints torch cannot add or compare (uint16, uint32, uint64): viewed as the
+#   signed int of the same width. SUM and PROD wrap bit for bit the same; for MAX and
+#   MIN the sign bit is flipped before and after, which maps unsigned order onto
+#   signed order. uint16 widens to int32 instead (gloo cannot reduce int16): its values
+#   compare as they are, and the low 16 bits of an int32 sum or product are the
+#   wrapped uint16 result.
+
+_FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                            "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n))
+_WIDE: dict[torch.dtype, torch.dtype] = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
+                                         torch.complex32: torch.complex64}
+_WIDE.update({d: torch.float32 for d in _FLOAT8})
+_SIGNED: dict[torch.dtype, tuple[torch.dtype, int]] = {
+    torch.uint16: (torch.int32, 0), torch.uint32: (torch.int32, -(1 << 31)),
+    torch.uint64: (torch.int64, -(1 << 63))}
+
+
+#: Every dtype :func:`to_wire` may change (a cheap test before the per-tensor work).
+WIRE_DTYPES: frozenset[torch.dtype] = frozenset((*_WIDE, *_SIGNED))
+
+
+def wire_dtype(op: ReduceOp | None, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a reduction of ``dtype`` with ``op`` is carried and computed in (``op``
+    None: a collective that only moves data, which changes only the unsigned ints)."""
+    if dtype in _WIDE and op is not None and (op not in (ReduceOp.MAX, ReduceOp.MIN) or dtype in _FLOAT8):
+        return _WIDE[dtype]
+    signed = _SIGNED.get(dtype)
+    return signed[0] if signed is not None else dtype
+
+
+def to_wire(op: ReduceOp | None, t: torch.Tensor) -> torch.Tensor:
+    """``t`` in :func:`wire_dtype` (``t`` itself when that is its own dtype)."""
+    dtype = t.dtype
+    if dtype in _SIGNED:
+        signed, sign = _SIGNED[dtype]
+        if dtype is torch.uint16:
+            return t.to(torch.int32)
+        v = t.contiguous().view(signed)
+        return v ^ sign if op in (ReduceOp.MAX, ReduceOp.MIN) else v
+    wire = wire_dtype(op, dtype)
+    return t if wire is dtype else t.to(wire)
+
+
+def from_wire(op: ReduceOp | None, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of :func:`to_wire` for a result of a reduction of ``dtype``."""
+    if t.dtype is dtype:
+        return t
+    if dtype is torch.uint16:
+        return t.to(torch.int16).view(torch.uint16)  # keeps the low 16 bits
+    if dtype in _SIGNED:
+        if op in (ReduceOp.MAX, ReduceOp.MIN):
+            t = t ^ _SIGNED[dtype][1]
+        return t.contiguous().view(dtype)
+    return t.to(dtype)

@@ -112,9 +112,15 @@ def make_inputs(n, shape, dtype, op="sum", seed=0):
 
 
 def reference_reduce(op, xs):
-    """The sequential reduction in replica-id order, as plain torch."""
+    """The sequential reduction in replica-id order, as plain torch; float16 / bfloat16
+    sums, means and products accumulate in float32 and round once (docs/fidelity.md)."""
+    dtype = xs[0].dtype
+    wide = str(op).lower() in ("sum", "mean", "prod") and dtype in (torch.float16, torch.bfloat16)
+    if wide:
+        xs = [x.float() for x in xs]
     acc = functools.reduce(REF_OP[op], xs)
-    return acc / len(xs) if op == "mean" else acc
+    acc = acc / len(xs) if op == "mean" else acc
+    return acc.to(dtype) if wide else acc
 
 
 def assert_same(actual, expected):

@@ -19,7 +19,7 @@ import torch
 
 from .. import context, data, nest
 from ..errors import ReplicaContextError, summarize
-from ..reduce_op import ReduceOp, check_dtype, reduce_non_distributed_value
+from ..reduce_op import WIRE_DTYPES, ReduceOp, check_dtype, from_wire, reduce_non_distributed_value, to_wire
 from ..values import DistributedValues, Mirrored, regroup, select_replica
 from .extended import StrategyExtended
 
@@ -130,14 +130,31 @@ class Strategy:
                 if not -max(t.dim(), 1) <= axis < max(t.dim(), 1):
                     raise ValueError(
                         f"axis={axis} is out of range for a per-replica value of shape {list(t.shape)}")
-            if op is ReduceOp.MEAN:
-                total = self.extended.reduce_values(ReduceOp.SUM, [t.sum(axis) for t in tensors])
-                count = self.extended.reduce_values(
-                    ReduceOp.SUM, [torch.tensor(t.shape[axis] if t.dim() else 1) for t in tensors])
-                return total / count.to(total.device)
-            local = {ReduceOp.SUM: lambda t: t.sum(axis), ReduceOp.MAX: lambda t: t.amax(axis),
-                     ReduceOp.MIN: lambda t: t.amin(axis), ReduceOp.PROD: lambda t: t.prod(axis)}[op]
-            tensors = [local(t) for t in tensors]
+            dtype = tensors[0].dtype
+            if dtype in WIRE_DTYPES:
+                # The local reduction too in the wire dtype (float16 sums in float32,
+                # unsigned ints as signed), rounded once at the end.
+                wop = ReduceOp.SUM if op is ReduceOp.MEAN else op
+                wide = [to_wire(wop, t) for t in tensors]
+                out = self._reduce_along(op, wide, axis, wide[0].dtype, distributed)
+                return from_wire(wop, out, dtype)
+            return self._reduce_along(op, tensors, axis, None, distributed)
+        if not distributed:
+            return reduce_non_distributed_value(op, tensors[0], self.num_replicas_in_sync)
+        return self.extended.reduce_values(op, tensors)
+
+    def _reduce_along(self, op: ReduceOp, tensors: list[torch.Tensor], axis: int,
+                      dtype: torch.dtype | None, distributed: bool) -> Any:
+        """``reduce`` with ``axis``: each replica's tensor along ``axis`` (in ``dtype`` when
+        given), then across replicas; MEAN divides by the total count along ``axis``."""
+        if op is ReduceOp.MEAN:
+            total = self.extended.reduce_values(ReduceOp.SUM, [t.sum(axis, dtype=dtype) for t in tensors])
+            count = self.extended.reduce_values(
+                ReduceOp.SUM, [torch.tensor(t.shape[axis] if t.dim() else 1) for t in tensors])
+            return total / count.to(total.device)
+        local = {ReduceOp.SUM: lambda t: t.sum(axis, dtype=dtype), ReduceOp.MAX: lambda t: t.amax(axis),
+                 ReduceOp.MIN: lambda t: t.amin(axis), ReduceOp.PROD: lambda t: t.prod(axis, dtype=dtype)}[op]
+        tensors = [local(t) for t in tensors]
         if not distributed:
             return reduce_non_distributed_value(op, tensors[0], self.num_replicas_in_sync)
         return self.extended.reduce_values(op, tensors)

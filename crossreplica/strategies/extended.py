@@ -16,13 +16,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .. import collectives, context
+from .. import collectives, context, torch_state
 from ..context import ReplicaContext
 from ..cross_device_ops import AllReduceCrossDeviceOps, CrossDeviceOps
 from ..engines.base import MERGE_CALL, Engine, check_agreement
 from ..engines.reduction import reduce_into
 from ..errors import ReplicaContextError, summarize
-from ..reduce_op import ReduceOp
+from ..reduce_op import ReduceOp, from_wire, to_wire
 from ..values import (
     DistributedValues,
     Mirrored,
@@ -114,6 +114,9 @@ class StrategyExtended:
         # not report to this run's engine (it would look like a replica that
         # returned early, or abort this run).
         self._run_token = token = object()
+        # The caller's thread-local torch state (grad mode, autocast, default device,
+        # ...): each replica thread runs under it, as the caller's thread would.
+        state = torch_state.capture()
         engine.begin_run()
 
         def body(i: int) -> Any:
@@ -121,11 +124,12 @@ class StrategyExtended:
             a, kw = select_replica(i, args), select_replica(i, kwargs)
             context.push(strategy, rctx)
             try:
-                if devices[i].type == "cuda":
-                    with torch.cuda.device(devices[i]):
+                with torch_state.applied(state):
+                    if devices[i].type == "cuda":
+                        with torch.cuda.device(devices[i]):
+                            out = fn(*a, **kw)
+                    else:
                         out = fn(*a, **kw)
-                else:
-                    out = fn(*a, **kw)
             finally:
                 context.pop()
             if self._run_token is token:
@@ -174,9 +178,12 @@ class StrategyExtended:
 
     def reduce_values(self, op: ReduceOp, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Reduces one tensor per local replica (in local order) over all replicas in sync."""
-        device = tensors[0].device
-        xs = [t.to(device) for t in tensors]
-        return reduce_into(op, torch.empty_like(xs[0], memory_format=torch.contiguous_format), xs)
+        device, dtype = tensors[0].device, tensors[0].dtype
+        # In the wire dtype (float16 sums in float32, rounded once; unsigned ints as
+        # signed), as the collectives do, so every strategy and engine gives the same bytes.
+        xs = [to_wire(op, t.to(device)) for t in tensors]
+        out = reduce_into(op, torch.empty_like(xs[0], memory_format=torch.contiguous_format), xs)
+        return from_wire(op, out, dtype)
 
     def gather_values(self, tensors: Sequence[torch.Tensor], axis: int) -> torch.Tensor:
         """Concatenates one tensor per local replica over all replicas in sync."""

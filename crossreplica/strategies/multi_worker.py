@@ -33,7 +33,7 @@ from ..engines.hierarchical import HierarchicalEngine
 from ..engines.torch_dist import TorchDistEngine
 from ..errors import summarize
 from ..groups import Groups
-from ..reduce_op import ReduceOp
+from ..reduce_op import ReduceOp, from_wire, to_wire
 from ..timeouts import canonical_timeout
 from .base import Strategy, StrategyExtended
 
@@ -131,25 +131,29 @@ class MultiWorkerExtended(StrategyExtended):
         if self.engine.world_size == 1:
             return super().reduce_values(op, tensors)
         xs = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t) for t in tensors]
+        dtype = xs[0].dtype
+        xs = [to_wire(op, x) for x in xs]  # as StrategyExtended.reduce_values
         calls = [Call.of(Kind.ALL_REDUCE, self._world(), (op,), [x]) for x in xs]
-        return self.engine.process(calls, [[x] for x in xs])[0][0]
+        return from_wire(op, self.engine.process(calls, [[x] for x in xs])[0][0], dtype)
 
     def gather_values(self, tensors: Sequence[torch.Tensor], axis: int) -> torch.Tensor:
         """Concatenates every replica's tensor along ``axis``, in global replica order."""
         if self.engine.world_size == 1:
             return super().gather_values(tensors, axis)
-        xs = [t.unsqueeze(0) if t.dim() == 0 else t for t in tensors]
+        dtype = tensors[0].dtype
+        xs = [to_wire(None, t.unsqueeze(0) if t.dim() == 0 else t) for t in tensors]
         axis = axis % xs[0].dim()
         calls = [Call.of(Kind.ALL_GATHER, self._world(), ((axis,),), [x]) for x in xs]
-        return self.engine.process(calls, [[x] for x in xs])[0][0]
+        return from_wire(None, self.engine.process(calls, [[x] for x in xs])[0][0], dtype)
 
     def broadcast_values(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Replica 0's tensor (of worker 0), given one tensor per local replica."""
         if self.engine.world_size == 1:
             return super().broadcast_values(tensors)
-        xs = list(tensors)
+        dtype = tensors[0].dtype
+        xs = [to_wire(None, x) for x in tensors]  # unsigned ints travel as signed ones
         calls = [Call.of(Kind.BROADCAST, self._world(), (0,), [x]) for x in xs]
-        return self.engine.process(calls, [[x] for x in xs])[0][0]
+        return from_wire(None, self.engine.process(calls, [[x] for x in xs])[0][0], dtype)
 
     def broadcast_initial_state(self, mirrored: Any) -> Any:
         """Overwrites every local copy in ``mirrored`` (a Mirrored of modules, tensors or
