@@ -46,11 +46,10 @@ class StrategyExtended:
         self._container_ref = weakref.ref(container)
         self.worker_devices = tuple(devices)
         self.engine = engine
-        if cross_device_ops is not None:
-            if not isinstance(cross_device_ops, CrossDeviceOps):
-                raise ValueError(
-                    f"cross_device_ops must be a cr.CrossDeviceOps (e.g. cr.ReductionToOneDevice() or "
-                    f"cr.AllReduceCrossDeviceOps()) or None; got {summarize(cross_device_ops)}")
+        if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
+            raise ValueError(
+                f"cross_device_ops must be a cr.CrossDeviceOps (e.g. cr.ReductionToOneDevice() or "
+                f"cr.AllReduceCrossDeviceOps()) or None; got {summarize(cross_device_ops)}")
         self.cross_device_ops = cross_device_ops
         n = len(self.worker_devices)
         self._running = False

@@ -24,7 +24,7 @@ import atexit
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, NoReturn
 from collections.abc import Callable, Sequence
 
 from ..errors import (
@@ -257,7 +257,7 @@ def _close_all() -> None:
     _join(pending, EXIT_JOIN_TIMEOUT)
 
 
-def raise_first_failure(errors: list[tuple[int, BaseException]], names: Sequence[int] | None = None) -> None:
+def raise_first_failure(errors: list[tuple[int, BaseException]], names: Sequence[int] | None = None) -> NoReturn:
     """Raises what the user should see for a failed run.
 
     A replica's own exception wins over the ReplicaAborted of the replicas it
