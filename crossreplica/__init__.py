@@ -4,7 +4,7 @@ Write a replica function once; run it on one device, on N in-process replicas,
 on N processes or on many hosts, with the same numbers.
 """
 
-from . import errors
+from . import errors, types
 from .checkpoint import load, save
 from .collectives import (all_gather, all_reduce, all_to_all, broadcast, collective_permute,
                           cross_replica_average, cross_replica_mean, cross_replica_sum, num_replicas,
@@ -28,7 +28,7 @@ from .version import __version__
 
 __all__ = [
     "__version__",
-    "errors",
+    "errors", "types",
     "save", "load",
     "ReduceOp",
     "DistributedValues", "PerReplica", "Mirrored", "regroup", "select_replica", "select_replica_mirrored",

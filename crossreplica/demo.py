@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .arguments import check_int, check_number
 from .optim import CrossShardOptimizer
 from .strategies import MirroredStrategy, MultiWorkerMirroredStrategy, OneDeviceStrategy, Strategy
 
@@ -52,11 +53,8 @@ class TrainConfig:
 
     def validate(self) -> None:
         for name in ("replicas", "epochs", "batch_size", "hidden", "replicas_per_worker"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int; got {v!r}")
-        if not isinstance(self.lr, (int, float)) or not self.lr > 0:
-            raise ValueError(f"lr must be a positive number; got {self.lr!r}")
+            check_int(getattr(self, name), name, low=1)
+        check_number(self.lr, "lr", positive=True)
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}; got {self.strategy!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):

@@ -25,6 +25,7 @@ from ..engines.base import Kind
 from ..errors import summarize
 from ..groups import Groups, Mesh, contiguous_groups, mesh_groups, resolve_groups
 from ..reduce_op import ReduceOp, check_dtype
+from ..types import Axes, GroupAssignment, Nest
 from . import autodiff, compiled
 from .leaves import check_dim, check_splits, replica_index, tensor_leaves
 
@@ -75,8 +76,8 @@ def _execute(rctx: ReplicaContext | None, kind: Kind, groups: Groups, params: tu
 
 # --------------------------------------------------------------------------- reductions
 
-def all_reduce(x: Any, op: ReduceOp | str = "sum", group_assignment: Any = None, *,
-               mesh: Mesh | None = None, axes: Any = None) -> Any:
+def all_reduce(x: Nest, op: ReduceOp | str = "sum", group_assignment: GroupAssignment = None, *,
+               mesh: Mesh | None = None, axes: Axes = None) -> Any:
     """Reduces ``x`` (a tensor, a number or a nest of them) over each group of replicas.
 
     Every replica of a group gets bitwise-identical results; MEAN divides by
@@ -91,17 +92,19 @@ def all_reduce(x: Any, op: ReduceOp | str = "sum", group_assignment: Any = None,
     return leaves.repack(_execute(rctx, Kind.ALL_REDUCE, groups, (op,), leaves.tensors))
 
 
-def cross_replica_sum(x: Any, group_assignment: Any = None, *, mesh: Mesh | None = None, axes: Any = None) -> Any:
+def cross_replica_sum(x: Nest, group_assignment: GroupAssignment = None, *, mesh: Mesh | None = None,
+                      axes: Axes = None) -> Nest:
     """Sums ``x`` over each group of replicas (TPU ``cross_replica_sum``)."""
     return all_reduce(x, ReduceOp.SUM, group_assignment, mesh=mesh, axes=axes)
 
 
-def cross_replica_mean(x: Any, group_assignment: Any = None, *, mesh: Mesh | None = None, axes: Any = None) -> Any:
+def cross_replica_mean(x: Nest, group_assignment: GroupAssignment = None, *, mesh: Mesh | None = None,
+                       axes: Axes = None) -> Nest:
     """Averages ``x`` over each group; MEAN divides by the group's size."""
     return all_reduce(x, ReduceOp.MEAN, group_assignment, mesh=mesh, axes=axes)
 
 
-def cross_replica_average(x: Any, num_shards_per_group: int) -> Any:
+def cross_replica_average(x: Nest, num_shards_per_group: int) -> Any:
     """Averages over groups of ``num_shards_per_group`` consecutive replicas.
 
     The reduction distributed batch norm uses; the group size must divide the
@@ -112,8 +115,8 @@ def cross_replica_average(x: Any, num_shards_per_group: int) -> Any:
     return all_reduce(x, ReduceOp.MEAN, groups)
 
 
-def reduce_scatter(x: Any, op: ReduceOp | str = "sum", dim: int = 0, group_assignment: Any = None, *,
-                   mesh: Mesh | None = None, axes: Any = None) -> Any:
+def reduce_scatter(x: Nest, op: ReduceOp | str = "sum", dim: int = 0, group_assignment: GroupAssignment = None, *,
+                   mesh: Mesh | None = None, axes: Axes = None) -> Any:
     """Reduces ``x`` over each group and gives the member at position ``j`` the
     ``j``-th of ``group_size`` equal chunks along ``dim``."""
     api = "cr.reduce_scatter"
@@ -138,8 +141,8 @@ def reduce_scatter(x: Any, op: ReduceOp | str = "sum", dim: int = 0, group_assig
 
 # --------------------------------------------------------------------------- data movement
 
-def all_gather(x: Any, dim: int = 0, group_assignment: Any = None, tiled: bool = True, *,
-               mesh: Mesh | None = None, axes: Any = None) -> Any:
+def all_gather(x: Nest, dim: int = 0, group_assignment: GroupAssignment = None, tiled: bool = True, *,
+               mesh: Mesh | None = None, axes: Axes = None) -> Any:
     """Gathers the group members' ``x`` in group order.
 
     ``tiled=True`` concatenates along ``dim`` (sizes along ``dim`` may differ
@@ -168,9 +171,9 @@ def all_gather(x: Any, dim: int = 0, group_assignment: Any = None, tiled: bool =
     return leaves.repack(autodiff.gather(run, groups, tuple(dims), tensors))
 
 
-def all_to_all(x: Any, split_dim: int, concat_dim: int, group_assignment: Any = None, *,
+def all_to_all(x: Nest, split_dim: int, concat_dim: int, group_assignment: GroupAssignment = None, *,
                input_split_sizes: Sequence[int] | None = None, output_split_sizes: Sequence[int] | None = None,
-               mesh: Mesh | None = None, axes: Any = None) -> Any:
+               mesh: Mesh | None = None, axes: Axes = None) -> Any:
     """Splits ``x`` along ``split_dim``, sends chunk ``j`` to the member at position ``j``,
     and concatenates what arrives along ``concat_dim``, in group order.
 
@@ -211,8 +214,8 @@ def all_to_all(x: Any, split_dim: int, concat_dim: int, group_assignment: Any = 
     return leaves.repack(_execute(rctx, Kind.ALL_TO_ALL, groups, params, leaves.tensors))
 
 
-def broadcast(x: Any, source: int = 0, group_assignment: Any = None, *,
-              mesh: Mesh | None = None, axes: Any = None) -> Any:
+def broadcast(x: Nest, source: int = 0, group_assignment: GroupAssignment = None, *,
+              mesh: Mesh | None = None, axes: Axes = None) -> Any:
     """Every member of a group gets the value of the group's member at position
     ``source`` (with no group assignment, that is replica ``source``)."""
     api = "cr.broadcast"
@@ -230,7 +233,7 @@ def broadcast(x: Any, source: int = 0, group_assignment: Any = None, *,
     return leaves.repack(_execute(rctx, Kind.BROADCAST, groups, (src,), leaves.tensors))
 
 
-def collective_permute(x: Any, source_target_pairs: Sequence[Sequence[int]] | None = None, *,
+def collective_permute(x: Nest, source_target_pairs: Sequence[Sequence[int]] | None = None, *,
                        mesh: Mesh | None = None, axis: Any = None, shift: int | None = None) -> Any:
     """Sends ``x`` from each source replica to its target; replicas that are no
     target receive zeros. Each replica is at most once a source and once a target.

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Any
 
 import torch
 
+from ..arguments import check_number
 from ..errors import summarize
 from ..reduce_op import ReduceOp
 
@@ -34,12 +34,7 @@ def canonical_weight(weight: Any) -> float:
             raise ValueError(f"weight must be a number (the replica's row count); got a tensor of "
                              f"shape {list(weight.shape)}")
         weight = weight.item()
-    if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight) \
-            or weight < 0:
-        raise ValueError(
-            f"weight must be a finite number >= 0 (usually the replica's row count, x.shape[0]); "
-            f"got {summarize(weight)}")
-    return float(weight)
+    return check_number(weight, "weight", hint=" (usually the replica's row count, x.shape[0])")
 
 
 def loss_to_buffer(loss: Any) -> torch.Tensor | None:

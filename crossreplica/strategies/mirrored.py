@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..arguments import check_int
 from ..devices import canonical_device
 from ..engines.base import DEFAULT_TIMEOUT
 from ..engines.threads import ThreadsEngine
@@ -35,9 +36,8 @@ class MirroredStrategy(Strategy):
 
     def __init__(self, num_replicas: int | None = None, devices: Sequence[Any] | None = None,
                  cross_device_ops: Any = None, *, timeout_seconds: float | None = None):
-        if num_replicas is not None and (isinstance(num_replicas, bool) or not isinstance(num_replicas, int)
-                                         or num_replicas < 1):
-            raise ValueError(f"num_replicas must be a positive int or None; got {summarize(num_replicas)}")
+        if num_replicas is not None:
+            check_int(num_replicas, "num_replicas", low=1, hint=" or None")
         if devices is not None:
             if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence) or not devices:
                 raise ValueError(

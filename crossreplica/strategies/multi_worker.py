@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .. import nest
+from ..arguments import check_int
 from ..devices import canonical_device
 from ..engines.base import DEFAULT_TIMEOUT, Call, Kind
 from ..engines.hierarchical import HierarchicalEngine
@@ -224,9 +225,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                  timeout_seconds: float | None = None, *, devices: Sequence[Any] | None = None,
                  check_collectives: bool | None = None, cross_device_ops: Any = None,
                  ordered_reductions: bool = True):
-        if isinstance(replicas_per_worker, bool) or not isinstance(replicas_per_worker, int) \
-                or replicas_per_worker < 1:
-            raise ValueError(f"replicas_per_worker must be a positive int; got {summarize(replicas_per_worker)}")
+        check_int(replicas_per_worker, "replicas_per_worker", low=1)
         if backend is not None and backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {list(_BACKENDS)} or None (automatic); got {summarize(backend)}")
         timeout = (canonical_timeout(DEFAULT_TIMEOUT, "CROSSREPLICA_TIMEOUT") if timeout_seconds is None
