@@ -2,6 +2,8 @@
 
 Write a replica function once; run it on one device, on N in-process replicas,
 on N processes or on many hosts, with the same numbers.
+
+Layer: the public face (layer 7): re-exports every public name; see docs/architecture.md.
 """
 
 from . import errors, types

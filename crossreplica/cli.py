@@ -1,4 +1,7 @@
-"""The ``crossreplica`` command line: ``crossreplica train`` runs the demo."""
+"""The ``crossreplica`` command line: ``crossreplica train`` runs the demo.
+
+Layer: the face (layer 6); see docs/architecture.md.
+"""
 
 from __future__ import annotations
 

@@ -22,6 +22,8 @@ same order, same seed) and keeps the parts of its own replicas.
 ``distribute_datasets_from_function`` instead calls ``fn(InputContext)`` once
 per input pipeline (one per worker; one in-process), and splits each batch it
 yields among that pipeline's local replicas.
+
+Layer: strategies (layer 5); see docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Device arguments: validated once, turned into torch.device."""
+"""Device arguments: validated once, turned into torch.device.
+
+Layer: bottom (layer 0); see docs/architecture.md.
+"""
 
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ Every error a user can trigger derives from :class:`CrossReplicaError`, so
 ``except cr.errors.CrossReplicaError`` catches all of them; each also derives
 from the builtin its meaning matches (RuntimeError, TimeoutError) so generic
 handlers keep working.
+
+Layer: bottom (layer 0); see docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""The reduction operators every reducing API accepts."""
+"""The reduction operators every reducing API accepts.
+
+Layer: bottom (layer 0); see docs/architecture.md.
+"""
 
 from __future__ import annotations
 

@@ -36,6 +36,8 @@ Temporary files are named ``.<name>.crtmp-<host>-<pid>-<random>`` beside the
 target (beside a symlink's target: saving through a link replaces the file it
 points to, not the link); a save removes those left by dead writers of the
 same host. The file gets the mode the umask gives new files.
+
+Layer: strategies (layer 5); see docs/architecture.md.
 """
 
 from __future__ import annotations

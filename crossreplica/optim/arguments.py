@@ -1,4 +1,7 @@
-"""Argument checks and loss conversions of CrossShardOptimizer."""
+"""Argument checks and loss conversions of CrossShardOptimizer.
+
+Layer: strategies (layer 5); see docs/architecture.md.
+"""
 
 from __future__ import annotations
 

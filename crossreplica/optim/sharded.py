@@ -18,6 +18,8 @@ zero gradient (its optimizer state still advances). ``state_dict()`` is a
 collective: it all-gathers every shard's state into the unsharded format, so it
 loads into an unsharded optimizer, and ``load_state_dict`` takes that format
 back.
+
+Layer: strategies (layer 5); see docs/architecture.md.
 """
 
 from __future__ import annotations

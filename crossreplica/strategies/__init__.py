@@ -1,4 +1,7 @@
-"""Distribution strategies: where replicas run and how they talk."""
+"""Distribution strategies: where replicas run and how they talk.
+
+Layer: strategies (layer 5); see docs/architecture.md.
+"""
 
 from .base import Strategy, StrategyExtended
 from .mirrored import MirroredStrategy

@@ -1,4 +1,7 @@
-"""MirroredStrategy: N replicas in this process, one thread per replica."""
+"""MirroredStrategy: N replicas in this process, one thread per replica.
+
+Layer: strategies (layer 5); see docs/architecture.md.
+"""
 
 from __future__ import annotations
 

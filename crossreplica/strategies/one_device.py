@@ -1,4 +1,7 @@
-"""OneDeviceStrategy: the replica function runs once, in the calling thread."""
+"""OneDeviceStrategy: the replica function runs once, in the calling thread.
+
+Layer: strategies (layer 5); see docs/architecture.md.
+"""
 
 from __future__ import annotations
 
