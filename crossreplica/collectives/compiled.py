@@ -113,10 +113,24 @@ def _impl(kind: Kind):
                     f"cr.all_gather under torch.compile needs the same size along the gather dim on every "
                     f"member of a group; got sizes {sizes.t().tolist()} (one row per leaf, one column per "
                     f"member); call it eagerly for uneven parts")
-        # Compiled code wants fresh, aligned outputs; an engine may hand out views of one
-        # packed buffer (torch_dist's fused all-reduce).
-        return [o.clone() if o._base is not None else o for o in outs]
+        # A custom op's outputs may alias neither its inputs nor each other: an engine may
+        # hand out views of one packed buffer (torch_dist's fused all-reduce) or, on some
+        # paths, a buffer it was given; those are copied.
+        return _fresh(xs, outs)
     return impl
+
+
+def _fresh(xs: list[torch.Tensor], outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``outs``, with every output that is a view or shares storage with an input or an
+    earlier output replaced by a copy."""
+    taken = {x.untyped_storage().data_ptr() for x in xs}
+    fresh = []
+    for out in outs:
+        if out._base is not None or out.untyped_storage().data_ptr() in taken:
+            out = out.clone()
+        taken.add(out.untyped_storage().data_ptr())
+        fresh.append(out)
+    return fresh
 
 
 def _fake(kind: Kind):
