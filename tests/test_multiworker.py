@@ -226,3 +226,30 @@ def test_strategy_api_across_workers(layout):
         for copy in out["weights"]:
             for got, want in zip(copy, chief.state_dict().values()):
                 assert torch.equal(got, want)
+
+
+def _per_row_labels(strategy):
+    """Each worker splits the same global batch and keeps its replicas' rows and labels."""
+    x = torch.arange(10.0).view(5, 2)
+    batch = (x, [f"row{i}" for i in range(5)])
+    (dist_batch,) = list(strategy.distribute_dataset([batch]))
+    out = strategy.run(lambda b: (b[0].sum(1), "|".join(b[1])), args=(dist_batch,))
+    return [(t.tolist(), labels) for t, labels in
+            zip(*(strategy.experimental_local_results(v) for v in out))]
+
+
+@pytest.mark.parametrize("layout", [(2, 1), (2, 2)], ids=["2x1", "2x2"])
+def test_per_row_labels_split_with_the_batch_across_workers(layout):
+    """Per-row lists travel with their rows on every worker, as in one process."""
+    from crossreplica.testing import run_workers
+
+    workers, per_worker = layout
+    n = workers * per_worker
+    sizes = [5 // n + (1 if i < 5 % n else 0) for i in range(n)]
+    starts = [sum(sizes[:i]) for i in range(n)]
+    got = [part for worker in run_workers(_per_row_labels, workers, per_worker) for part in worker]
+    assert len(got) == n
+    for r, (sums, labels) in enumerate(got):
+        rows = range(starts[r], starts[r] + sizes[r])
+        assert sums == [float(4 * i + 1) for i in rows]
+        assert labels == "|".join(f"row{i}" for i in rows)
