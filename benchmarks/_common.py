@@ -19,11 +19,11 @@ def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
 
 
-def fmt_size(nbytes: int) -> str:
+def fmt_size(nbytes: float) -> str:
     for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
         if nbytes >= scale:
-            return f"{nbytes // scale} {unit}"
-    return f"{nbytes} B"
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes:g} B"
 
 
 def fmt_time(seconds: float) -> str:

@@ -17,6 +17,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from _common import fmt_size
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMG_DIR = os.path.join(ROOT, "docs", "img")
 
@@ -60,13 +62,6 @@ def _titled(title: str, note: str | None) -> str:
     return title if not note else f"{title}\n[{note}]"
 
 
-def _size_label(nbytes: float) -> str:
-    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:g} {unit}"
-    return f"{nbytes:g} B"
-
-
 def _time_axis(ax: Any) -> None:
     """A log time axis labelled in us/ms/s; call after plotting (it looks at the data range)."""
     from matplotlib.ticker import LogLocator, NullFormatter
@@ -84,7 +79,7 @@ def _time_axis(ax: Any) -> None:
 def _size_axis(ax: Any, sizes: Sequence[int]) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(sizes))
-    ax.set_xticklabels([_size_label(s) for s in sizes], rotation=30)
+    ax.set_xticklabels([fmt_size(s) for s in sizes], rotation=30)
     ax.minorticks_off()
     ax.set_xlabel("bytes per replica")
 
@@ -138,7 +133,7 @@ def plot_allreduce(rows: Sequence[Mapping[str, float]], path: str, note: str | N
     ax.set_xticks(counts)
     ax.set_xlabel("replicas")
     _time_axis(ax)
-    ax.set_title(f"latency at {_size_label(small)}")
+    ax.set_title(f"latency at {fmt_size(small)}")
     fig.suptitle(_titled("In-process all-reduce (threads engine), median per call", note))
     _save(fig, path, rect=(0, 0.06, 1, 1))  # room for the shared legend below
     plt.close(fig)

@@ -141,8 +141,10 @@ def _cut_leaves(batch: Any, num_parts: int, keep: Iterable[int] | None,
                 devices: Any) -> tuple[Any, list[list[Any]]]:
     """The batch's spec, and for each of its leaves one piece per kept part (the leaf
     itself, for a leaf that is not split). Per-row sequences are leaves here."""
-    rows = _rows(batch)
-    leaves, spec = nest.flatten(batch, is_leaf=lambda x: _is_row_sequence(x, rows))
+    # One walk: a list of plain values is a leaf whether or not it is per-row data (walked
+    # further, its items would reach every replica unchanged, as the list itself does).
+    leaves, spec = nest.flatten(batch, is_leaf=_is_plain_sequence)
+    rows = _rows(leaves, batch)
     sizes = split_sizes(rows, num_parts)
     starts = [sum(sizes[:i]) for i in range(num_parts)]
     parts = list(range(num_parts)) if keep is None else list(keep)
@@ -162,10 +164,15 @@ def _cut_leaves(batch: Any, num_parts: int, keep: Iterable[int] | None,
     return spec, [[cut(x, part, device) for part, device in zip(parts, targets)] for x in leaves]
 
 
+def _is_plain_sequence(x: Any) -> bool:
+    """A list or tuple (not a namedtuple) of plain values: no tensors, no containers."""
+    return (isinstance(x, (list, tuple)) and not nest.is_namedtuple(x)
+            and not any(isinstance(v, torch.Tensor) or nest.is_container(v) for v in x))
+
+
 def _is_row_sequence(x: Any, rows: int) -> bool:
     """A list or tuple of ``rows`` plain values (per-row data that splits with the batch)."""
-    return (isinstance(x, (list, tuple)) and not nest.is_namedtuple(x) and len(x) == rows
-            and not any(isinstance(v, torch.Tensor) or nest.is_container(v) for v in x))
+    return _is_plain_sequence(x) and len(x) == rows
 
 
 def _is_row_array(x: Any, rows: int) -> bool:
@@ -174,9 +181,9 @@ def _is_row_array(x: Any, rows: int) -> bool:
     return type(x).__module__ == "numpy" and shape is not None and len(shape) > 0 and shape[0] == rows
 
 
-def _rows(batch: Any) -> int:
-    """The rows of a global batch: the common size of its tensors along dim 0."""
-    leaves, _ = nest.flatten(batch)
+def _rows(leaves: list[Any], batch: Any) -> int:
+    """The rows of a global batch (whose leaves are ``leaves``): the common size of its
+    tensors along dim 0."""
     rows = None
     for p, leaf in enumerate(leaves):
         if isinstance(leaf, DistributedValues):

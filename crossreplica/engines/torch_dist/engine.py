@@ -36,6 +36,11 @@ from .watchdog import Watchdog, is_peer_loss
 __all__ = ["TorchDistEngine"]
 
 
+# Each collective kind's implementation (one module per concern; see the package docstring).
+_COLLECTIVES = {Kind.ALL_REDUCE: all_reduce, Kind.REDUCE_SCATTER: reduce_scatter, Kind.ALL_GATHER: all_gather,
+                Kind.BROADCAST: broadcast, Kind.ALL_TO_ALL: all_to_all, Kind.PERMUTE: permute}
+
+
 class TorchDistEngine(Engine):
     """Collectives between processes through torch.distributed, one replica per worker
     (or, as the base of the hierarchical engine, all local replicas of a worker at once)."""
@@ -163,19 +168,10 @@ class TorchDistEngine(Engine):
             # all_gather's sizes, a group-dependent broadcast source): looked up per group.
             step = Step(call, {rid: own.params for rid, own in zip(self.local_replica_ids, calls)}, payloads,
                         inplace)
-            if kind is Kind.ALL_REDUCE:
-                return all_reduce(self, step)
-            if kind is Kind.REDUCE_SCATTER:
-                return reduce_scatter(self, step)
-            if kind is Kind.ALL_GATHER:
-                return all_gather(self, step)
-            if kind is Kind.BROADCAST:
-                return broadcast(self, step)
-            if kind is Kind.ALL_TO_ALL:
-                return all_to_all(self, step)
-            if kind is Kind.PERMUTE:
-                return permute(self, step)
-            raise ValueError(f"unknown collective kind {str(kind)!r}")
+            run = _COLLECTIVES.get(kind)
+            if run is None:
+                raise ValueError(f"unknown collective kind {str(kind)!r}")
+            return run(self, step)
         except (CollectiveMismatchError, CollectiveTimeoutError, ReplicaAborted) as e:
             self._broken = e
             raise
