@@ -44,6 +44,13 @@ def restore(target: Any, saved: Any, strategy: Any, path: tuple = ()) -> None:
     """Restores ``target`` (a nest of live objects) from ``saved`` in place."""
     k = kind(target)
     name = where("into", path)
+    if k is None and not nest.is_container(target):
+        if isinstance(target, _PLAIN) or _is_numpy(target):
+            return  # a plain value: read it from the nest cr.load returns
+        raise TypeError(
+            f"cr.load: {name} is a {type(target).__name__}, which cannot be restored in place: it has no "
+            f"load_state_dict(), set_state() or setstate(). Give it state_dict()/load_state_dict(), or "
+            f"leave it out of into= and read its value from the nest cr.load returns")
     if k in (MIRRORED, PER_REPLICA):
         _distributed(target, saved, strategy, path)
         return
@@ -63,15 +70,13 @@ def restore(target: Any, saved: Any, strategy: Any, path: tuple = ()) -> None:
         if k == GENERATOR and isinstance(saved, torch.Tensor):
             saved = saved.cpu()  # generators take their state as a CPU byte tensor
         _call(target, RNG_METHODS[k][1], _fresh(saved), name)
-    elif nest.is_container(target):
+    else:  # a container
         keys, items = nest.children(target)
         for key, item in zip(keys, items):
+            if kind(item) is None and not nest.is_container(item):
+                restore(item, None, strategy, path + (key,))  # nothing to restore (or a TypeError)
+                continue
             restore(item, _child(saved, key, path), strategy, path + (key,))
-    elif not isinstance(target, _PLAIN) and not _is_numpy(target):
-        raise TypeError(
-            f"cr.load: {name} is a {type(target).__name__}, which cannot be restored in place: it has no "
-            f"load_state_dict(), set_state() or setstate(). Give it state_dict()/load_state_dict(), or "
-            f"leave it out of into= and read its value from the nest cr.load returns")
 
 
 def _is_numpy(value: Any) -> bool:
