@@ -102,6 +102,14 @@ def test_per_replica_state_that_differs_restores_only_on_the_same_count(tmp_path
             cr.load(path, into=fresh)
         with pytest.raises(CheckpointError, match=r"entry \['noise'\] holds per-replica state"):
             cr.load(path)
+    with s2.scope():
+        with pytest.raises(CheckpointError, match=r"into\['noise'\] is a Mirrored \(identical copies\)"):
+            cr.load(path, into={"noise": cr.Mirrored([torch.Generator(), torch.Generator()])})
+        restored = s2.run(job._make_noise)
+        for g in restored.values:
+            g.manual_seed(0)
+        cr.load(path, into={"noise": restored})
+        assert [g.initial_seed() for g in restored.values] == [100, 101]
 
 
 def test_random_streams_of_every_kind_round_trip(tmp_path):

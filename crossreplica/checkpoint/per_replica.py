@@ -46,7 +46,7 @@ def _update(h: Any, value: Any) -> None:
         t = value.detach().cpu().resolve_conj().resolve_neg()
         h.update(f"T{t.dtype}{tuple(t.shape)}{t.layout}".encode())
         if t.layout == torch.strided:
-            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
         else:  # sparse and other layouts: by their serialized bytes
             buf = io.BytesIO()
             torch.save(t, buf)

@@ -26,7 +26,7 @@ import torch
 
 from .. import nest
 from ..errors import CheckpointError, summarize
-from ..values import DistributedValues
+from ..values import DistributedValues, Mirrored
 from .per_replica import is_record, pick
 from .state import GENERATOR, MIRRORED, PER_REPLICA, RNG_METHODS, STATEFUL, TENSOR, kind, where
 
@@ -92,6 +92,9 @@ def _distributed(target: DistributedValues, saved: Any, strategy: Any, path: tup
             f"cr.load: {name} is a {type(target).__name__} of {len(target.values)} values, but the "
             f"strategy {type(strategy).__name__} has {len(local_ids)} local replicas; call cr.load under "
             f"the scope of the strategy it belongs to (or pass strategy=)")
+    if isinstance(target, Mirrored) and is_record(saved):
+        raise CheckpointError(f"cr.load: {name} is a Mirrored (identical copies), but the checkpoint holds a "
+                              f"different state per replica there; restore it into a PerReplica")
     n = int(ext.num_replicas_in_sync)
     for value, g in zip(target.values, local_ids):
         if isinstance(value, DistributedValues):
