@@ -23,6 +23,8 @@ LAYERS: dict[str, int] = {
     "collectives": 3,
     "cross_device_ops": 4,
     "strategies": 5, "optim": 5, "data": 5, "input_shards": 5, "nn": 5, "checkpoint": 5, "variables": 5,
+    "checkpoint.state": 5, "checkpoint.per_replica": 5, "checkpoint.restore": 5, "checkpoint.fileio": 5,
+    "checkpoint.workers": 5, "checkpoint.safe_values": 5,
     "demo": 6, "cli": 6, "testing": 6,
     "__init__": 7, "__main__": 7,
 }

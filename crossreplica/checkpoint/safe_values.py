@@ -19,9 +19,9 @@ import torch
 
 from ..errors import CheckpointError, summarize
 
-__all__ = ["encode", "decode"]
+__all__ = ["TAG", "encode", "decode"]
 
-_TAG = "__crossreplica_value__"  # marks a dict that stands for a converted value
+TAG = _TAG = "__crossreplica_value__"  # marks a dict that stands for a converted value
 
 
 def encode(value: Any) -> Any:

@@ -282,12 +282,13 @@ class WorkerPool:
 
     # ------------------------------------------------------------------ jobs
 
-    def run(self, fn: Callable[..., Any], *per_replica_args: Sequence[Any], mode: str = "replica") -> Outcome:
+    def run(self, fn: Callable[..., Any], *per_replica_args: Sequence[Any], mode: str = "replica",
+            main_args: Sequence[Any] = ()) -> Outcome:
         """Runs one job on every worker and reports what each did; never raises for a worker's failure.
 
         ``mode="replica"``: ``fn(*args)`` in every replica inside a replica context,
         replica ``i`` getting entry ``i`` of each ``per_replica_args`` sequence.
-        ``mode="main"``: ``fn(strategy)`` once per worker, in cross-replica context.
+        ``mode="main"``: ``fn(strategy, *main_args)`` once per worker, in cross-replica context.
         ``fn`` must be importable by its module and qualified name; arguments and
         results must be picklable.
         """
@@ -297,7 +298,7 @@ class WorkerPool:
             raise WorkerPoolError(f"{self!r} is not started: call start() or use it in a with statement")
         check_per_replica_args(self.num_replicas, per_replica_args)
         start = time.monotonic()
-        spec = {**function_spec(fn), "mode": mode}
+        spec = {**function_spec(fn), "mode": mode, "main_args": list(main_args)}
         rpw = self.replicas_per_worker
         # Every payload is pickled before any is sent: an unpicklable argument leaves no worker
         # waiting in a collective for the others.

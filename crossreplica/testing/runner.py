@@ -113,13 +113,15 @@ def launch(fn: Callable[..., Any], *per_replica_args: Sequence[Any], num_replica
         return pool.run(fn, *per_replica_args, mode=mode)
 
 
-def run_workers(main: Callable[[Any], Any], num_workers: int, replicas_per_worker: int = 1, *,
-                timeout_seconds: float = DEFAULT_TIMEOUT, check_collectives: bool = False) -> list[Any]:
-    """Per-worker results of ``main(strategy)``, run once per worker in cross-replica context
-    on fresh worker processes (it may leave its worker in any state)."""
+def run_workers(main: Callable[..., Any], num_workers: int, replicas_per_worker: int = 1, *,
+                args: Sequence[Any] = (), timeout_seconds: float = DEFAULT_TIMEOUT,
+                check_collectives: bool = False) -> list[Any]:
+    """Per-worker results of ``main(strategy, *args)``, run once per worker in cross-replica
+    context on fresh worker processes (it may leave its worker in any state); ``args``
+    (picklable) are the same on every worker."""
     with WorkerPool(num_workers, replicas_per_worker, timeout_seconds=timeout_seconds,
                     check_collectives=check_collectives) as pool:
-        out = pool.run(main, mode="main")
+        out = pool.run(main, mode="main", main_args=args)
     if not out.ok:
         raise_failed(out, f"run_workers({main.__qualname__})", timeout_seconds)
     return [out.results[r] for r in range(num_workers)]

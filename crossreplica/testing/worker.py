@@ -139,7 +139,7 @@ def _serve(conn: Connection, replicas_per_worker: int, timeout_seconds: float, c
         try:
             fn = load_function(job)
             if job["mode"] == "main":
-                results = {rank: fn(strategy)}
+                results = {rank: fn(strategy, *job.get("main_args", ()))}
             else:
                 # Always PerReplica (also for one replica), so a None argument is not trimmed by run.
                 args = [cr.PerReplica(tuple(a)) for a in job["args"]]

@@ -1,0 +1,141 @@
+"""The state walker: a nest of live training objects -> a plain nest of tensors and builtins.
+
+Layer: strategies (layer 5), the checkpoint package; see docs/architecture.md.
+
+What each leaf of the nest given to ``cr.save`` becomes (the first rule that
+matches; :func:`kind` is the one place that decides, and restoring uses it too):
+
+* ``Mirrored``: replica 0's copy, walked (every copy is the same; on the chief
+  local replica 0 is global replica 0).
+* ``PerReplica``: every local replica's value, walked; then compared across
+  all replicas (:mod:`.per_replica`): one value if they are all the same,
+  else one value per replica.
+* a tensor: a detached copy on the CPU, so a checkpoint loads on any device.
+* stateful: anything with ``state_dict()`` and ``load_state_dict()`` (modules,
+  optimizers and ``cr.CrossShardOptimizer``, LR schedulers,
+  ``torch.amp.GradScaler``, ``cr.Variable``, your own classes): its
+  ``state_dict()``, walked.
+* a random stream: a ``torch.Generator`` (``torch.default_generator`` is torch's
+  CPU stream), anything with ``get_state()`` / ``set_state()`` (numpy's
+  ``RandomState``, per-replica streams) or ``getstate()`` / ``setstate()``
+  (``random.Random``, the ``random`` module): its state.
+* containers (dicts, lists, tuples, dataclasses, ...): walked.
+* anything else is kept as it is (numbers, strings, numpy values...).
+
+The walk runs on every worker: a ``cr.Variable`` that aggregates when read
+(ON_READ) and the comparison of per-replica values are collectives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import nest
+from ..errors import ReplicaContextError
+from ..values import Mirrored, PerReplica
+
+__all__ = ["MIRRORED", "PER_REPLICA", "TENSOR", "STATEFUL", "GENERATOR", "GET_STATE", "GETSTATE",
+           "Pending", "capture", "kind", "where"]
+
+MIRRORED, PER_REPLICA, TENSOR, STATEFUL = "mirrored", "per_replica", "tensor", "stateful"
+GENERATOR, GET_STATE, GETSTATE = "generator", "get_state", "getstate"
+
+#: What reads and writes the state of each kind of random stream.
+RNG_METHODS = {GENERATOR: ("get_state", "set_state"), GET_STATE: ("get_state", "set_state"),
+               GETSTATE: ("getstate", "setstate")}
+
+
+def _has(obj: Any, *names: str) -> bool:
+    return all(callable(getattr(obj, n, None)) for n in names)
+
+
+def kind(obj: Any) -> str | None:
+    """What ``obj`` is to a checkpoint (the kinds in the module docstring), or None for a
+    container or a plain value."""
+    if isinstance(obj, Mirrored):
+        return MIRRORED
+    if isinstance(obj, PerReplica):
+        return PER_REPLICA
+    if isinstance(obj, torch.Tensor):
+        return TENSOR
+    if isinstance(obj, type):  # a class is never state (its methods are unbound)
+        return None
+    if _has(obj, "state_dict", "load_state_dict"):
+        return STATEFUL
+    if isinstance(obj, torch.Generator):
+        return GENERATOR
+    if _has(obj, "get_state", "set_state"):
+        return GET_STATE
+    if _has(obj, "getstate", "setstate"):
+        return GETSTATE
+    return None
+
+
+def where(root: str, path: tuple) -> str:
+    """``state['opt'][0]``: the place in the user's nest a message names."""
+    return root + ("" if not path else nest.path_str(path))
+
+
+class Pending:
+    """A PerReplica's local values, walked, before they are compared across replicas."""
+
+    __slots__ = ("where", "local")
+
+    def __init__(self, where: str, local: list[Any]):
+        self.where = where
+        self.local = local
+
+
+def capture(state: Any, strategy: Any, pending: list[Pending], path: tuple = ()) -> Any:
+    """``state`` as a plain nest; each PerReplica becomes a :class:`Pending` appended to
+    ``pending`` (settled by :func:`.per_replica.settle`)."""
+    k = kind(state)
+    if k == MIRRORED:
+        return capture(state.values[0], strategy, pending, path)
+    if k == PER_REPLICA:
+        return _per_replica(state, strategy, pending, path)
+    if k == TENSOR:
+        return state.detach().to("cpu", copy=True)
+    if k == STATEFUL:
+        return capture(state.state_dict(), strategy, pending, path)
+    if k is not None:  # a random stream
+        value = getattr(state, RNG_METHODS[k][0])()
+        return capture(value, strategy, pending, path)
+    if nest.is_container(state):
+        keys, items = nest.children(state)
+        return nest.rebuild(state, keys, [capture(v, strategy, pending, path + (key,))
+                                          for key, v in zip(keys, items)])
+    return state
+
+
+def _per_replica(value: PerReplica, strategy: Any, pending: list[Pending], path: tuple) -> Pending:
+    ext = strategy.extended
+    local_ids = tuple(ext.local_replica_ids)
+    name = where("state", path)
+    if len(value.values) != len(local_ids):
+        raise ValueError(
+            f"cr.save: {name} is a PerReplica of {len(value.values)} values, but the strategy "
+            f"{type(strategy).__name__} has {len(local_ids)} local replicas; call cr.save under the scope "
+            f"of the strategy whose run returned it (or pass strategy=)")
+    nested: list[Pending] = []  # a PerReplica inside a PerReplica is one value per replica already
+    try:
+        local = [capture(v, strategy, nested, path) for v in value.values]
+    except ReplicaContextError:
+        # A state_dict that is a collective among the replicas (a CrossShardOptimizer with
+        # shard_optimizer_state=True) is taken inside the replicas.
+        if not all(kind(v) == STATEFUL for v in value.values):
+            raise
+        local = [capture(sd, strategy, nested, path) for sd in
+                 strategy.experimental_local_results(strategy.run(_state_dict_of, args=(value,)))]
+    if nested:
+        raise TypeError(f"cr.save: {name} is a PerReplica that holds PerReplica values; give one "
+                        f"value per replica")
+    entry = Pending(name, local)
+    pending.append(entry)
+    return entry
+
+
+def _state_dict_of(obj: Any) -> Any:
+    return obj.state_dict()

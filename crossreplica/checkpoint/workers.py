@@ -1,0 +1,76 @@
+"""Who writes a checkpoint, and how the workers agree on the outcome.
+
+Layer: strategies (layer 5), the checkpoint package; see docs/architecture.md.
+
+Across processes only the chief (rank 0, which holds replica 0) writes; every
+worker then waits for it in a bounded collective that also carries the chief's
+success or failure, so no worker runs ahead of a checkpoint that does not exist
+yet. Loading reads on the chief and sends the file's bytes (never a pickle to
+trust) to every worker, so the hosts need no shared file system.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..reduce_op import ReduceOp
+
+__all__ = ["FAILED", "MISSING", "OK", "Workers", "cross_process", "share_from_chief"]
+
+OK, MISSING, FAILED = 0, 1, 2  # what the chief found when it read a checkpoint
+
+
+class Workers:
+    """Who writes, and how the workers agree on the outcome."""
+
+    def __init__(self, is_chief: bool, max_flag: Callable[[int], int]):
+        self.is_chief = is_chief
+        self.max_flag = max_flag  # int -> the maximum over every worker (a bounded collective)
+
+
+def cross_process(strategy: Any) -> Workers | None:
+    """How to reach the other workers, or None when everything is in this process.
+
+    A multi-process strategy in scope (or passed) is used; outside any scope, an
+    initialised torch.distributed world of several processes still makes rank 0
+    the only writer, so a script that calls cr.save outside ``strategy.scope()``
+    does not write once per process."""
+    ext = getattr(strategy, "extended", None)
+    engine = getattr(ext, "engine", None)
+    if ext is not None and getattr(engine, "world_size", 1) > 1 and hasattr(ext, "is_chief"):
+        n = len(ext.worker_devices)
+        return Workers(ext.is_chief, lambda flag: int(ext.reduce_values(
+            ReduceOp.MAX, [torch.tensor([flag], dtype=torch.int32)] * n).item()))
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        def max_flag(flag: int) -> int:
+            t = torch.tensor([flag], dtype=torch.int32, device=_device())
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # bounded by the process group's timeout
+            return int(t.item())
+        return Workers(dist.get_rank() == 0, max_flag)
+    return None
+
+
+def _device() -> torch.device:
+    return (torch.device("cuda", torch.cuda.current_device())
+            if str(dist.get_backend()) == "nccl" else torch.device("cpu"))
+
+
+def share_from_chief(status: int, payload: bytes) -> tuple[int, bytes]:
+    """Rank 0's ``(status, payload)`` on every worker, as tensors (bounded by the process
+    group's timeout): a header with the status and length, then the bytes."""
+    device = _device()
+    header = torch.tensor([status, len(payload)], dtype=torch.int64, device=device)
+    dist.broadcast(header, src=0)
+    status, size = (int(v) for v in header.tolist())
+    if dist.get_rank() == 0:
+        data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if size
+                else torch.empty(0, dtype=torch.uint8)).to(device)
+    else:
+        data = torch.empty(size, dtype=torch.uint8, device=device)
+    if size:
+        dist.broadcast(data, src=0)
+    return status, bytes(data.cpu().contiguous().untyped_storage())
