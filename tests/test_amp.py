@@ -257,3 +257,34 @@ def test_autocast_around_run_threads():
 def test_autocast_around_run_processes():
     for worker in run_workers(_autocast_main, 2):
         _check_autocast(*worker)
+
+
+def _documented_step(model, opt, scaler, batch):
+    x, y = batch
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    return loss.detach()
+
+
+def test_documented_recipe_with_a_scaler_per_replica():
+    """The README / docs/optimizers.md pattern: scalers made by strategy.run, batches split."""
+    strategy = cr.MirroredStrategy(2, devices=["cpu"] * 2)
+    model = strategy.mirror(_net())
+    opts = strategy.run(lambda m: CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.5)), args=(model,))
+    scalers = strategy.run(lambda: torch.amp.GradScaler("cpu", **SCALER))
+    assert len({id(s) for s in strategy.experimental_local_results(scalers)}) == 2
+    for batch in strategy.distribute_dataset([_global_batch(step, 2) for step in range(3)]):
+        strategy.run(_documented_step, args=(model, opts, scalers, batch))
+    ref = _net()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    scaler = torch.amp.GradScaler("cpu", **SCALER)
+    for step in range(3):
+        _documented_step(ref, opt, scaler, _global_batch(step, 2))
+    for m in strategy.experimental_local_results(model):
+        for p, q in zip(m.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **TOL)
+    assert {s.get_scale() for s in strategy.experimental_local_results(scalers)} == {scaler.get_scale()}
