@@ -80,7 +80,7 @@ def _train(mode, clip):
         scaler.scale(_loss(m, x, y, (step, rid) == (INF_STEP, INF_REPLICA % n))).backward()
         norm = None
         if clip:
-            if mode != "overlap":  # overlap=True reduced the gradients during backward
+            if mode not in ("overlap", "no_synchronize"):  # overlap=True reduced them during backward
                 opt.synchronize()
             scaler.unscale_(opt)
             norm = torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM).item()
@@ -137,14 +137,11 @@ def test_grad_scaler_recipe_matches_one_process(run_replicas, mode, clip):
     assert scales == [2.0 ** 8, 2.0 ** 7, 2.0 ** 7, 2.0 ** 8, 2.0 ** 8]  # halved, then grown
 
 
-def _one_replica(clip):
-    return _train("plain", clip)
-
-
-@pytest.mark.parametrize("clip", [False, True], ids=["step", "unscale_clip"])
-def test_group_of_one_is_bitwise_plain_torch(clip):
+@pytest.mark.parametrize("mode, clip", [("plain", False), ("plain", True), ("no_synchronize", True)],
+                         ids=["step", "unscale_clip", "unscale_clip_as_plain_torch"])
+def test_group_of_one_is_bitwise_plain_torch(mode, clip):
     strategy = cr.OneDeviceStrategy()
-    (got,) = strategy.experimental_local_results(strategy.run(_one_replica, args=(clip,)))
+    (got,) = strategy.experimental_local_results(strategy.run(_train, args=(mode, clip)))
     ref = _reference(1, clip)
     for a, b in zip(got, ref):
         assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"]))
