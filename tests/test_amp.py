@@ -180,13 +180,16 @@ def _misuse(what):
     if what == "unscale_unreduced":
         scaler.unscale_(opt)  # without opt.synchronize() first
         scaler.step(opt)
+    elif what == "closure":
+        scaler.step(opt, lambda: None)
     else:
         scaler.step(opt, weight=x.shape[0])
     return True
 
 
 @pytest.mark.parametrize("what, match", [("unscale_unreduced", r"synchronize\(\) before scaler.unscale_"),
-                                         ("weight", r"opt.synchronize\(weight=")])
+                                         ("weight", r"opt.synchronize\(weight="),
+                                         ("closure", "closure cannot be used with torch.amp.GradScaler")])
 def test_misuse_is_a_clear_error_on_every_replica(run_replicas, what, match):
     with pytest.raises(Exception, match=match):
         run_replicas(_misuse, 2, [what] * 2)
