@@ -88,3 +88,24 @@ def test_sharded_refuses_closure_and_overlap():
         opt.step(lambda: m(torch.ones(1, 6)).sum())
     with pytest.raises(Exception, match="closure"):
         s.run(body)
+
+
+def _synchronized_then_step(sharded):
+    rid = cr.replica_id()
+    m = _net()
+    opt = CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), reduction="sum",
+                              shard_optimizer_state=sharded)
+    for step in range(2):
+        g = torch.Generator().manual_seed(10 * step + rid)
+        opt.zero_grad()
+        F.cross_entropy(m(torch.randn(5, 6, generator=g)), torch.randint(0, 3, (5,), generator=g)).backward()
+        opt.synchronize()  # users clip here; the sharded step then takes its slice, not a second reduction
+        opt.step()
+    return [p.detach().clone() for p in m.parameters()]
+
+
+def test_sharded_step_after_synchronize_reduces_once(run_replicas):
+    ours = run_replicas(_synchronized_then_step, 2, [True] * 2)
+    ref = run_replicas(_synchronized_then_step, 2, [False] * 2)
+    for a, b in zip(ours, ref):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))

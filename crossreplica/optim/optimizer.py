@@ -23,6 +23,7 @@ from ..errors import summarize
 from ..groups import Groups, group_of, resolve_groups
 from ..packing import DEFAULT_BYTES_PER_PACK, PackedBuffers
 from ..reduce_op import ReduceOp
+from .amp import reduce_before_scaler, unscale_or_skip
 from .arguments import (
     canonical_reduction,
     canonical_weight,
@@ -99,7 +100,6 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         self._sharded = ShardedUpdate(optimizer) if shard_optimizer_state else None
         self._groups_cache: tuple[int, Groups] | None = None
         self._pack_cache: tuple[tuple, PackedBuffers] | None = None
-        self._synchronized = False
         self._owner: tuple[int, int] | None = None
         self._reset_runtime_state()
         if group_assignment is not None and has_strategy():
@@ -225,6 +225,9 @@ class CrossShardOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ stepping
 
+    #: True; torch.amp.GradScaler.step reads it first, and reading it reduces the gradients (amp.py).
+    _step_supports_amp_scaling = property(reduce_before_scaler)
+
     def step(self, closure: Callable[[], Any] | None = None, *, weight: Any = None) -> Any:  # type: ignore[override]
         """Reduces the gradients over the group (unless :meth:`synchronize` already
         did) and steps the wrapped optimizer.
@@ -247,13 +250,16 @@ class CrossShardOptimizer(torch.optim.Optimizer):
             cr.ReplicaContextError: called outside a replica function.
         """
         rctx = require_replica_context("CrossShardOptimizer.step")
+        if not unscale_or_skip(self, closure, weight):
+            return None  # GradScaler found an inf in the reduced gradients: the whole group skips
         if self._sharded is not None:
             groups = self._groups(rctx.num_replicas_in_sync)
             if closure is not None or weight is not None:
                 raise ValueError("shard_optimizer_state=True supports neither a closure nor weight=")
             if len(group_of(groups, rctx.replica_id_in_sync_group)) > 1:
                 self._check_owner(rctx)
-                self._sharded.step(rctx, groups, self._reduction)
+                self._sharded.step(rctx, groups, self._reduction, reduced=self._synchronized)
+                self._synchronized = False
                 return None
         if closure is not None:
             # The closure recomputes the gradients, so an earlier synchronize() is moot.

@@ -92,7 +92,9 @@ class ShardedUpdate:
             raise RuntimeError("the sharded update has no shard optimizer yet; it is set up on the first step")
         return self.inner
 
-    def step(self, rctx: Any, groups: Groups, op: ReduceOp) -> None:
+    def step(self, rctx: Any, groups: Groups, op: ReduceOp, reduced: bool = False) -> None:
+        """One sharded update; ``reduced``: the gradients are already all-reduced
+        (``synchronize()``), so this replica's shard is its slice of them."""
         rid, engine = rctx.replica_id_in_sync_group, rctx.engine
         layout = self._setup(groups, rid)
         inner = self._inner()
@@ -109,8 +111,11 @@ class ShardedUpdate:
                 else:
                     view.copy_(p.grad)
                 offset += p.numel()
-            call = Call.of(Kind.REDUCE_SCATTER, groups, (op, (0,), None), [flat])
-            (grad,) = execute_on_wire(engine, rid, call, [flat])
+            if reduced:
+                grad = flat[layout.pos * c:(layout.pos + 1) * c]
+            else:
+                call = Call.of(Kind.REDUCE_SCATTER, groups, (op, (0,), None), [flat])
+                (grad,) = execute_on_wire(engine, rid, call, [flat])
             shard = layout.shards[i]
             lo, hi = layout.pos * c, min((layout.pos + 1) * c, layout.sizes[i])
             with torch.no_grad():  # the parameters may have changed since the last step (a load)

@@ -1,0 +1,132 @@
+"""Mixed precision: ``torch.amp.GradScaler`` driving a CrossShardOptimizer.
+
+Layer: strategies (layer 5); see docs/architecture.md.
+
+The problem. GradScaler decides from the gradients it reads whether to skip
+``optimizer.step()`` and how to move its scale (its ``found_inf`` flags, which
+``scaler.update()`` consumes). Reading a replica's own, unreduced gradients, one
+replica may find an inf the others do not: it skips the step (and the
+reduction inside it) while the others reduce, and its scale halves while
+theirs grows.
+
+The design: the gradients are reduced *before* GradScaler reads them, so every
+replica of a group checks the same, bitwise identical, gradients and reaches
+the same verdict. Between backward and that read, torch gives the optimizer two
+moments:
+
+* ``scaler.step(opt)`` first reads ``opt._step_supports_amp_scaling`` (torch's
+  contract for optimizers that unscale themselves, e.g. the fused Adam). On a
+  CrossShardOptimizer that attribute is a property that reduces the gradients
+  (what ``synchronize()`` does, unless it was called) and answers True.
+  GradScaler then checks the reduced gradients for infs (its flags are the
+  same on every replica, so scales and growth trackers stay equal) and always
+  calls ``opt.step()`` with ``opt.grad_scale`` and ``opt.found_inf`` set: step
+  skips on every replica together, or unscales the reduced gradients with
+  torch's own kernel (as ``scaler.unscale_`` does) and steps.
+* ``opt.synchronize()``, the moment CrossShardOptimizer already gives for
+  clipping: ``scaler.unscale_(opt)`` reads the gradients without asking the
+  optimizer anything, so the clipping recipe is ``synchronize``, ``unscale_``,
+  clip, ``step``, ``update``. With ``overlap=True`` the buckets are reduced by
+  the end of backward (as in DDP) and ``synchronize`` is optional. An
+  ``unscale_`` that read unreduced gradients is an error at ``scaler.step``,
+  never a silent divergence.
+
+Alternatives not taken. Reducing only inside ``step()`` leaves the scaler's
+flags local: GradScaler hands step a fresh sum of them (``opt.found_inf`` does
+not alias what ``update()`` reads) and no reference to itself (its
+``grad_scaler=`` keyword is deprecated, with a FutureWarning every step), so
+the scales would diverge and the next step would reduce gradients scaled by
+different factors. Reducing at the end of every backward (DDP's way) would
+change the contract for every user of the default, non-overlapped optimizer
+(``step(weight=)``, accumulation without ``no_sync``, closures), not only for
+mixed precision; ``overlap=True`` is that mode.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from ..context import get_replica_context
+from ..errors import summarize
+from ..groups import group_of
+
+__all__ = ["reduce_before_scaler", "unscale_or_skip"]
+
+
+def reduce_before_scaler(opt: Any) -> bool:
+    """The value of ``CrossShardOptimizer._step_supports_amp_scaling``: reduces the
+    gradients (unless ``synchronize()`` already did) and answers True."""
+    try:
+        opt._amp_late = False
+        rctx = get_replica_context()
+        if rctx is None or opt._synchronized:
+            return True  # outside a replica, step() raises the usual ReplicaContextError
+        groups = opt._groups(rctx.num_replicas_in_sync)
+        if len(group_of(groups, rctx.replica_id_in_sync_group)) > 1:
+            dense, sparse, _ = opt._collect()
+            # Gradients reduced only now: an explicit scaler.unscale_ before read local ones.
+            opt._amp_late = bool(dense or sparse)
+        opt.synchronize()
+        return True
+    except AttributeError as e:
+        # GradScaler reads the attribute with getattr(opt, name, False), which would swallow
+        # an AttributeError and fall back to checking the local gradients.
+        raise RuntimeError(f"CrossShardOptimizer could not reduce the gradients for GradScaler: {e}") from e
+
+
+def unscale_or_skip(opt: Any, closure: Any, weight: Any) -> bool:
+    """The start of ``step()``: False to skip it (GradScaler's call found an inf; every
+    replica of the group alike), True to go on (after unscaling the reduced gradients)."""
+    if "found_inf" not in vars(opt):
+        return True  # not GradScaler's call (it sets grad_scale and found_inf for the call)
+    late, opt._amp_late = getattr(opt, "_amp_late", False), False
+    if closure is not None:
+        raise ValueError("a closure cannot be used with torch.amp.GradScaler (torch does not support it); "
+                         "call scaler.step(opt) without one")
+    if weight is not None:
+        raise ValueError(
+            f"weight={summarize(weight)} reached step() after GradScaler checked the reduced gradients; pass it "
+            f"to opt.synchronize(weight=...) before scaler.step(opt) (or scaler.unscale_(opt))")
+    if not opt._synchronized:
+        raise RuntimeError(
+            "GradScaler called CrossShardOptimizer.step without reading _step_supports_amp_scaling first, so it "
+            "checked this replica's unreduced gradients; call opt.synchronize() before scaler.step(opt)")
+    grad_scale, found_inf = opt.grad_scale, opt.found_inf
+    if grad_scale is None and late:
+        raise RuntimeError(
+            "scaler.unscale_(opt) read this replica's own gradients before they were reduced, so replicas could "
+            "clip different gradients and disagree on skipping the step; call opt.synchronize() before "
+            "scaler.unscale_(opt), or build the optimizer with overlap=True")
+    if float(found_inf) > 0:
+        opt._synchronized = False  # as a step would: the next backward brings new gradients
+        return False
+    if grad_scale is not None:
+        _unscale(opt.param_groups, grad_scale)
+    return True
+
+
+def _unscale(param_groups: list[dict[str, Any]], grad_scale: torch.Tensor) -> None:
+    """Divides the gradients by the scale exactly as ``GradScaler.unscale_`` does (the
+    same inverse and kernel), so a group of one is bitwise plain torch."""
+    inv_scale = (grad_scale.double().reciprocal().float() if grad_scale.device.type != "mps"
+                 else grad_scale.reciprocal())
+    per_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    seen: set[int] = set()
+    with torch.no_grad():
+        for group in param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                if g.is_sparse:
+                    if g.dtype is torch.float16:
+                        p.grad = g = g.coalesce()
+                    g = g._values()
+                per_device[(g.device, g.dtype)].append(g)
+        for (device, _), grads in per_device.items():
+            ignored = torch.zeros((), dtype=torch.float32, device=device)  # GradScaler already checked
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, ignored, inv_scale.to(device))
