@@ -72,7 +72,7 @@ def reduce_coo(op: ReduceOp, parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
     if op is ReduceOp.MEAN:
         acc.div_(len(parts))
     return torch.sparse_coo_tensor(_unlinear(union, sizes), from_wire(op, acc, dtype), tuple(size), dtype=dtype,
-                                   device=device, is_coalesced=True)
+                                   device=device, is_coalesced=True, check_invariants=False)
 
 
 def _row(op: ReduceOp, values: torch.Tensor, where: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
