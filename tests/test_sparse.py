@@ -278,9 +278,10 @@ def _ids(r, step):
     return torch.cat([ids, ids[:3]])
 
 
-def _train(model, reduction, weight):
+def _train(model, reduction, weight, overlap):
     rid = cr.replica_id()
-    opt = cr.CrossShardOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), reduction=reduction)
+    opt = cr.CrossShardOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), reduction=reduction,
+                                 overlap=overlap)
     grads = []
     for step in range(3):
         opt.zero_grad()
@@ -292,12 +293,14 @@ def _train(model, reduction, weight):
     return grads, model.emb.weight.detach().clone()
 
 
-@pytest.mark.parametrize("reduction,weighted", [("mean", False), ("sum", False), ("mean", True)])
-def test_cross_shard_optimizer_sparse_matches_dense(run_replicas, reduction, weighted):
+@pytest.mark.parametrize("reduction,weighted,overlap", [
+    ("mean", False, False), ("sum", False, False), ("mean", True, False), ("mean", False, True)])
+def test_cross_shard_optimizer_sparse_matches_dense(run_replicas, reduction, weighted, overlap):
+    # overlap=True: the dense model's gradient is reduced during backward, the sparse one at step
     n = 4
     weights = [float(r + 1) for r in range(n)] if weighted else [None] * n
-    sparse = run_replicas(_train, n, [Bag(True) for _ in range(n)], [reduction] * n, weights)
-    dense = run_replicas(_train, n, [Bag(False) for _ in range(n)], [reduction] * n, weights)
+    sparse = run_replicas(_train, n, [Bag(True) for _ in range(n)], [reduction] * n, weights, [overlap] * n)
+    dense = run_replicas(_train, n, [Bag(False) for _ in range(n)], [reduction] * n, weights, [overlap] * n)
     # plain torch: each replica's dense gradient, reduced in replica order
     ref = Bag(False)
     for step in range(3):
@@ -328,5 +331,6 @@ def _sharded_step(model):
 
 
 def test_sharded_update_rejects_sparse_gradients(run_replicas):
-    with pytest.raises(ValueError, match="does not support sparse gradients"):
+    with pytest.raises(ValueError, match=r"does not support sparse gradients; parameter 0 of param group 0 "
+                                         r"\(shape \[50, 4\]\) has a torch.sparse_coo gradient"):
         run_replicas(_sharded_step, 2, [Bag(True) for _ in range(2)])
