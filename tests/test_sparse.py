@@ -228,6 +228,15 @@ def _needs_grad(rid):
     return cr.all_reduce(x)
 
 
+def _gather_sparse(n):
+    return cr.all_gather({"x": torch.eye(3).to_sparse()})
+
+
+def test_other_collectives_take_dense_tensors_only(run_replicas):
+    with pytest.raises(TypeError, match=r"cr.all_gather takes dense \(strided\) tensors; got a torch.sparse_coo"):
+        run_replicas(_gather_sparse, 2, [0, 1])
+
+
 def test_other_layouts_are_rejected(run_replicas):
     with pytest.raises(TypeError, match="layout torch.sparse_csr; only strided"):
         run_replicas(_csr, 2, [0, 1])

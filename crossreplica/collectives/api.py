@@ -87,7 +87,7 @@ def all_reduce(x: Nest, op: ReduceOp | str = "sum", group_assignment: GroupAssig
     rctx = _context("cr.all_reduce")
     op = ReduceOp.from_any(op)
     groups = _groups(rctx, group_assignment, mesh, axes)
-    leaves = tensor_leaves(x, "cr.all_reduce", rctx)
+    leaves = tensor_leaves(x, "cr.all_reduce", rctx, sparse=True)
     sparse = False
     for t in leaves.tensors:
         check_dtype(op, t.dtype)
