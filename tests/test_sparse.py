@@ -180,9 +180,8 @@ def _cross_replica(x, d, op):
     return cr.get_replica_context().merge_call(merge_fn, args=(x, d))
 
 
-@pytest.mark.parametrize("op", OPS)
-def test_cross_replica_reductions_match_dense(run_replicas, op):
-    n = 4
+@pytest.mark.parametrize("op,n", [(op, 4) for op in OPS] + [("sum", 2), ("mean", 3)])
+def test_cross_replica_reductions_match_dense(run_replicas, op, n):
     xs = [sparse_value(r, seed=2) for r in range(n)]
     ds = [torch.randn(3, generator=torch.Generator().manual_seed(r)) for r in range(n)]
     ref, dense_ref = dense_reduce(op, xs), dense_reduce(op, ds)
@@ -205,6 +204,15 @@ def test_mirrored_strategy_reduce_of_an_embedding_sized_value():
         for cdo in (cr.ReductionToOneDevice(), cr.AllReduceCrossDeviceOps()):
             with s.scope():
                 check_result(cdo.reduce(op, value, "cpu").values[0], dense_reduce(op, xs))
+
+
+def test_cross_replica_results_are_coalesced_copies_per_destination():
+    s = cr.MirroredStrategy(2, devices=["cpu"] * 2)
+    value = cr.PerReplica([sparse_value(0), sparse_value(1)])
+    out = s.extended.reduce_to("sum", value, value)  # one copy per replica's device
+    assert out.values[0] is not out.values[1]
+    for v in out.values:
+        check_result(v, dense_reduce("sum", list(value.values)))
 
 
 def test_cross_replica_never_densifies():
