@@ -37,7 +37,8 @@ def coo_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _linear(indices: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
-    """Row-major linear positions of ``indices`` ([nnz, len(sizes)]) in a grid of ``sizes``."""
+    """Row-major linear positions of ``indices`` ([nnz, len(sizes)]) in a grid of ``sizes``
+    (they fit int64: torch refuses a tensor of 2**63 elements or more, as torch's coalesce relies on)."""
     lin = torch.zeros(indices.shape[0], dtype=torch.int64, device=indices.device)
     for d, s in enumerate(sizes):
         lin.mul_(s).add_(indices[:, d])
