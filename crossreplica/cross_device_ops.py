@@ -279,11 +279,25 @@ class CrossDeviceOps:
 
 def _check_same_shapes(values: list[torch.Tensor], argname: str) -> None:
     s0, d0 = values[0].shape, values[0].dtype
+    _check_layouts(values, argname)
     for i, v in enumerate(values[1:], start=1):
         if v.shape != s0 or v.dtype != d0:
             raise ValueError(
                 f"{argname} must hold tensors of one shape and dtype; value 0 is {list(s0)} {d0}, "
                 f"value {i} is {list(v.shape)} {v.dtype}")
+
+
+def _check_layouts(values: list[torch.Tensor], argname: str) -> None:
+    """Dense or sparse COO (reduced by gather, never densified), the same on every replica."""
+    for i, v in enumerate(values):
+        if v.layout is not torch.strided and v.layout is not torch.sparse_coo:
+            raise TypeError(
+                f"{argname}.values[{i}] has layout {v.layout}; only strided (dense) and torch.sparse_coo "
+                f"tensors can be reduced (convert with x.to_sparse_coo() or x.to_dense())")
+        if v.layout is not values[0].layout:
+            raise ValueError(
+                f"{argname} must hold tensors of one layout; value 0 is {values[0].layout}, value {i} is "
+                f"{v.layout} (convert with x.to_dense() or x.to_sparse_coo())")
 
 
 # --------------------------------------------------------------------------- implementations

@@ -49,6 +49,7 @@ def plan_packs(tensors: list[torch.Tensor], bytes_per_pack: int,
     With ``alone_bytes``, tensors at least that large also travel alone: their
     own flat view goes to the engine, which saves copying them into a pack
     (packing pays off for small tensors, whose per-tensor overhead dominates).
+    A sparse tensor is a pack of its own.
     Packs keep the order of first appearance, so every replica that passes the
     same shapes gets the same plan.
     """
@@ -57,7 +58,8 @@ def plan_packs(tensors: list[torch.Tensor], bytes_per_pack: int,
     for i, t in enumerate(tensors):
         key = (t.device, t.dtype)
         nbytes = t.numel() * t.element_size()
-        if alone_bytes is not None and nbytes >= alone_bytes:
+        if t.layout is not torch.strided or alone_bytes is not None and nbytes >= alone_bytes:
+            # a sparse tensor has no flat buffer to share: it travels alone
             packs.append([i])
             continue
         current = open_packs.get(key)

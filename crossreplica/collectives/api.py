@@ -27,6 +27,7 @@ from ..groups import Groups, Mesh, contiguous_groups, mesh_groups, resolve_group
 from ..reduce_op import ReduceOp, check_dtype
 from ..types import Axes, GroupAssignment, Nest
 from . import autodiff, compiled
+from .sparse import all_reduce_sparse, check_sparse
 from .leaves import check_dim, check_splits, replica_index, tensor_leaves
 
 __all__ = [
@@ -86,10 +87,33 @@ def all_reduce(x: Nest, op: ReduceOp | str = "sum", group_assignment: GroupAssig
     rctx = _context("cr.all_reduce")
     op = ReduceOp.from_any(op)
     groups = _groups(rctx, group_assignment, mesh, axes)
-    leaves = tensor_leaves(x, "cr.all_reduce", rctx)
+    leaves = tensor_leaves(x, "cr.all_reduce", rctx, sparse=True)
+    sparse = False
     for t in leaves.tensors:
         check_dtype(op, t.dtype)
+        if t.layout is not torch.strided:
+            check_sparse(t, "cr.all_reduce")
+            sparse = True
+    if sparse:
+        return leaves.repack(_all_reduce_with_sparse(rctx, op, groups, leaves.tensors))
     return leaves.repack(_execute(rctx, Kind.ALL_REDUCE, groups, (op,), leaves.tensors))
+
+
+def _all_reduce_with_sparse(rctx: ReplicaContext | None, op: ReduceOp, groups: Groups,
+                            tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The dense leaves in one all_reduce, the sparse COO ones in one gather (sparse.py)."""
+    if rctx is None:
+        raise TypeError("cr.all_reduce of sparse tensors is not supported under torch.compile; "
+                        "reduce them outside the compiled function")
+    dense = [i for i, t in enumerate(tensors) if t.layout is torch.strided]
+    coo = [i for i, t in enumerate(tensors) if t.layout is not torch.strided]
+    outs: list[Any] = [None] * len(tensors)
+    if dense:
+        for i, o in zip(dense, _execute(rctx, Kind.ALL_REDUCE, groups, (op,), [tensors[i] for i in dense])):
+            outs[i] = o
+    for i, o in zip(coo, all_reduce_sparse(rctx, op, groups, [tensors[i] for i in coo])):
+        outs[i] = o
+    return outs
 
 
 def cross_replica_sum(x: Nest, group_assignment: GroupAssignment = None, *, mesh: Mesh | None = None,

@@ -42,10 +42,13 @@ class Leaves:
         return nest.unflatten(self.spec, leaves)
 
 
-def tensor_leaves(x: Any, api: str, rctx: Any) -> Leaves:
+def tensor_leaves(x: Any, api: str, rctx: Any, sparse: bool = False) -> Leaves:
     """The nest ``x`` flattened, numbers turned into 0-d tensors on the device of the
-    replica context ``rctx`` (None while torch.compile traces: the default device)."""
+    replica context ``rctx`` (None while torch.compile traces: the default device).
+    Only a reduction (``sparse``) takes sparse tensors; other collectives reject them here."""
     if isinstance(x, torch.Tensor):  # the common case, without walking
+        if x.layout is not torch.strided and not sparse:
+            _dense_only(x, api)
         return Leaves([x], _SINGLE, [0], [x])
     leaves, spec = nest.flatten(x)
     where: list[int] = []
@@ -59,9 +62,18 @@ def tensor_leaves(x: Any, api: str, rctx: Any) -> Leaves:
             raise TypeError(
                 f"{api}: every leaf of x must be a torch.Tensor, a Python number (bool, int, float, "
                 f"complex) or None; leaf {p} is {type(leaf).__name__}: {summarize(leaf)}")
+        elif leaf.layout is not torch.strided and not sparse:
+            _dense_only(leaf, api)
         where.append(p)
         tensors.append(leaf)
     return Leaves(leaves, spec, where, tensors)
+
+
+def _dense_only(t: torch.Tensor, api: str) -> None:
+    raise TypeError(
+        f"{api} takes dense (strided) tensors; got a {t.layout} tensor of shape {list(t.shape)}. Only "
+        f"cr.all_reduce (and cross_replica_sum / cross_replica_mean) reduces sparse COO tensors; pass "
+        f"x.to_dense() here")
 
 
 def check_dim(value: Any, ndim: int, argname: str, api: str, shape: Sequence[int]) -> int:

@@ -14,8 +14,10 @@ flat buffer (persistent, reused every step), large gradients travel as
 themselves, and the whole list of buffers goes in ONE engine call (one
 rendezvous of the replicas). The reduction is elementwise, so a fused
 reduction is bitwise identical to reducing every gradient on its own.
-Sparse gradients (``nn.Embedding(sparse=True)``) are reduced by gathering
-every replica's indices and values and coalescing.
+Sparse gradients (``nn.Embedding(sparse=True)``) are reduced by ``cr.all_reduce``
+of the sparse tensors (one gather of every replica's indices and values): the
+result is coalesced, and bitwise the dense gradient's reduction (see
+docs/collectives.md, "Sparse values").
 
 With a closure (``step(closure)``, required by LBFGS), the closure is handed
 to the wrapped optimizer wrapped so that every evaluation reduces the

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from ..arguments import check_int
-from ..collectives import all_gather
+from ..collectives import all_reduce
 from ..context import get_strategy, has_strategy, require_replica_context
 from ..cross_device_ops import CommunicationOptions
 from ..engines.base import INPLACE, Call, Kind
@@ -431,20 +431,15 @@ class CrossShardOptimizer(torch.optim.Optimizer):
 
     def _reduce_sparse(self, rctx: Any, groups: Groups, params: list[torch.Tensor], w: float | None,
                        divisor: float | None) -> None:
-        leaves = []
-        shapes = []
+        """Sparse gradients: summed by cr.all_reduce (one gather, coalesced, in replica order,
+        bitwise the dense sum of the dense views), then divided as the dense packs are."""
+        grads = []
         for p in params:
-            g = cast(torch.Tensor, p.grad)  # _collect chose params whose grad is sparse
-            shapes.append(g.shape)
-            values = g._values()
+            g = cast(torch.Tensor, p.grad).detach()  # _collect chose params whose grad is sparse
             if w is not None:
-                values = values * w if w > 0 else torch.zeros_like(values)
-            leaves.append(g._indices().t().contiguous())
-            leaves.append(values.contiguous())
-        gathered = all_gather(leaves, 0, groups)
-        for i, p in enumerate(params):
-            indices, values = gathered[2 * i].t(), gathered[2 * i + 1]
-            if divisor is not None:
-                values = values / divisor
-            p.grad = torch.sparse_coo_tensor(indices, values, shapes[i],
-                                             check_invariants=False).coalesce()
+                g = g.coalesce()
+                values = g._values() * w if w > 0 else torch.zeros_like(g._values())  # 0 * nan is nan
+                g = torch.sparse_coo_tensor(g._indices(), values, g.shape, is_coalesced=True, check_invariants=False)
+            grads.append(g)
+        for p, g in zip(params, all_reduce(grads, ReduceOp.SUM, groups)):
+            p.grad = g / divisor if divisor is not None else g

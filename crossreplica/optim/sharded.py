@@ -96,6 +96,7 @@ class ShardedUpdate:
         """One sharded update; ``reduced``: the gradients are already all-reduced
         (``synchronize()``), so this replica's shard is its slice of them."""
         rid, engine = rctx.replica_id_in_sync_group, rctx.engine
+        _reject_sparse(self.optimizer.param_groups)  # before any engine call: no peer left waiting
         layout = self._setup(groups, rid)
         inner = self._inner()
         for i, g in enumerate(self.optimizer.param_groups):
@@ -106,8 +107,6 @@ class ShardedUpdate:
                 view = flat[offset:offset + p.numel()].view_as(p)
                 if p.grad is None:
                     view.zero_()
-                elif p.grad.is_sparse:
-                    raise ValueError("shard_optimizer_state=True does not support sparse gradients")
                 else:
                     view.copy_(p.grad)
                 offset += p.numel()
@@ -202,3 +201,13 @@ class ShardedUpdate:
                 else:
                     own[key] = v.clone() if isinstance(v, torch.Tensor) else v
             inner.state[shard] = own
+
+
+def _reject_sparse(param_groups: list[dict]) -> None:
+    for i, g in enumerate(param_groups):
+        for j, p in enumerate(g["params"]):
+            if p.grad is not None and p.grad.layout is not torch.strided:
+                raise ValueError(
+                    f"shard_optimizer_state=True does not support sparse gradients; parameter {j} of "
+                    f"param group {i} (shape {list(p.shape)}) has a {p.grad.layout} gradient: use "
+                    f"shard_optimizer_state=False, or a dense gradient (e.g. nn.Embedding(sparse=False))")

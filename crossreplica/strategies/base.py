@@ -127,6 +127,10 @@ class Strategy(LogicalDeviceMethods):
                    for v in self.experimental_local_results(value)]
         for t in tensors:
             check_dtype(op, t.dtype, "value")
+        if axis is not None and tensors[0].layout is not torch.strided:
+            raise TypeError(
+                f"axis={axis} is not supported for a sparse value ({tensors[0].layout}); reduce with "
+                f"axis=None (the result stays sparse), or pass the dense value (x.to_dense())")
         if axis is not None:
             for t in tensors:
                 if not -max(t.dim(), 1) <= axis < max(t.dim(), 1):

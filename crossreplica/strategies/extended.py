@@ -21,6 +21,7 @@ from ..context import ReplicaContext
 from ..cross_device_ops import AllReduceCrossDeviceOps, CrossDeviceOps
 from ..engines.base import MERGE_CALL, Engine, check_agreement
 from ..engines.reduction import reduce_into
+from ..engines.sparse import reduce_coo_tensors
 from ..errors import ReplicaContextError, summarize
 from ..reduce_op import ReduceOp, from_wire, to_wire
 from ..values import (
@@ -179,6 +180,8 @@ class StrategyExtended(LogicalDeviceExtended):
 
     def reduce_values(self, op: ReduceOp, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Reduces one tensor per local replica (in local order) over all replicas in sync."""
+        if tensors[0].layout is not torch.strided:
+            return reduce_coo_tensors(op, tensors)  # sparse COO: coalesced, never densified
         device, dtype = tensors[0].device, tensors[0].dtype
         # In the wire dtype (float16 sums in float32, rounded once; unsigned ints as
         # signed), as the collectives do, so every strategy and engine gives the same bytes.

@@ -33,6 +33,7 @@ from ..arguments import check_int
 from ..devices import canonical_device
 from ..engines.base import DEFAULT_TIMEOUT, Call, Kind
 from ..engines.hierarchical import HierarchicalEngine
+from ..engines.sparse import reduce_gathered, sparse_leaves
 from ..engines.torch_dist import TorchDistEngine
 from ..errors import summarize
 from ..groups import Groups
@@ -135,10 +136,20 @@ class MultiWorkerExtended(StrategyExtended):
         if self.engine.world_size == 1:
             return super().reduce_values(op, tensors)
         xs = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t) for t in tensors]
+        if xs[0].layout is not torch.strided:
+            return self._reduce_sparse_values(op, xs)
         dtype = xs[0].dtype
         xs = [to_wire(op, x) for x in xs]  # as StrategyExtended.reduce_values
         calls = [Call.of(Kind.ALL_REDUCE, self._world(), (op,), [x]) for x in xs]
         return from_wire(op, self.engine.process(calls, [[x] for x in xs])[0][0], dtype)
+
+    def _reduce_sparse_values(self, op: ReduceOp, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Sparse COO: every replica's (indices, values) gathered, reduced in replica order."""
+        leaves = [sparse_leaves([t], t.device) for t in tensors]
+        calls = [Call.of(Kind.ALL_GATHER, self._world(), ((0,) * len(ls),), ls) for ls in leaves]
+        gathered = self.engine.process(calls, leaves)[0]
+        world = self._world()[0]
+        return reduce_gathered(op, gathered, world, self.local_replica_ids[0], tensors[:1])[0]
 
     def gather_values(self, tensors: Sequence[torch.Tensor], axis: int) -> torch.Tensor:
         """Concatenates every replica's tensor along ``axis``, in global replica order."""
