@@ -23,6 +23,7 @@ LAYERS: dict[str, int] = {
     "collectives": 3,
     "cross_device_ops": 4,
     "strategies": 5, "optim": 5, "data": 5, "input_shards": 5, "nn": 5, "checkpoint": 5, "variables": 5,
+    "strategies.buffers": 5,
     "demo": 6, "cli": 6, "testing": 6,
     "__init__": 7, "__main__": 7,
 }

@@ -1,0 +1,192 @@
+"""Mirrored buffers: the copies of a mirrored module's buffers agree after every run.
+
+Layer: strategies (layer 5); see docs/architecture.md.
+
+Parameters of mirrored copies stay identical because every replica applies the
+same reduced gradient to the same values. Buffers have no gradient: a
+``torch.nn.BatchNorm`` updates its running statistics from its own replica's
+batch, so left alone the copies drift apart and ``cr.save`` (which keeps
+replica 0's copy) silently drops what the others saw.
+
+``strategy.mirror(module, sync_buffers=...)`` remembers the module's copies
+(weakly) with a policy, :data:`POLICIES`:
+
+* ``"broadcast"`` (the default; DDP's choice): replica 0's buffers are copied
+  to every replica.
+* ``"mean"``: floating-point buffers are averaged over the replicas (the
+  engine's all-reduce MEAN: the sum in replica order divided by their number,
+  the same bytes on every engine); other buffers (``num_batches_tracked``)
+  take replica 0's values.
+* ``None``: no sync. A run after which the local copies' buffers differ warns
+  once per module (only copies in the same process can be compared).
+
+The sync runs inside each replica after the replica function returns, before
+the run ends (DDP broadcasts before each forward instead): so when ``run``
+returns, every copy holds the same bytes, and what the caller reads or saves is
+what every replica holds. It uses the engine's collectives, so it works on
+every engine: one broadcast for every buffer of the policy (one flat tensor per
+device and dtype), and for ``"mean"`` one all-reduce of the floating ones.
+
+Which modules are synced is decided the same way on every replica: a module
+whose copy has any submodule in training mode after the replica function
+returns (torch's modules change their buffers only in training). A module in
+eval mode costs nothing, and neither does a ``cr.nn.SyncBatchNorm`` over every
+replica (its statistics come from one all-reduce, so they already agree).
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any
+from collections.abc import Sequence
+
+import torch
+
+from .. import collectives, nest
+from ..errors import summarize
+from ..nn import SyncBatchNorm
+from ..packing import flatten_pack, unflatten_pack_
+from ..values import Mirrored
+
+__all__ = ["POLICIES", "MirroredBuffers", "RunSync", "check_policy"]
+
+#: The accepted values of ``sync_buffers``.
+POLICIES = ("broadcast", "mean", None)
+
+
+def check_policy(value: Any, argname: str = "sync_buffers") -> str | None:
+    """``value`` if it is one of :data:`POLICIES`; a ValueError naming it otherwise."""
+    if value is None or (isinstance(value, str) and value in POLICIES):
+        return value
+    raise ValueError(
+        f"{argname} must be one of 'broadcast' (replica 0's buffers to every replica), 'mean' "
+        f"(average the floating-point buffers) or None (no sync); got {summarize(value)}")
+
+
+class _Group:
+    """One mirrored module: a weak reference to its copy on each local replica."""
+
+    __slots__ = ("copies", "policy", "warned", "versions")
+
+    def __init__(self, modules: Sequence[torch.nn.Module], policy: str | None):
+        self.copies = tuple(weakref.ref(m) for m in modules)
+        self.policy = policy
+        self.warned = False
+        self.versions: tuple[int, ...] = ()  # buffer versions when last compared (policy None)
+
+    def modules(self) -> list[torch.nn.Module] | None:
+        """Strong references to the copies; None once any copy is gone."""
+        mods = [ref() for ref in self.copies]
+        return None if any(m is None for m in mods) else mods  # type: ignore[return-value]
+
+
+class MirroredBuffers:
+    """The mirrored modules of one strategy and their buffer policies."""
+
+    def __init__(self) -> None:
+        self._groups: list[_Group] = []
+
+    def register(self, mirrored: Mirrored, policy: str | None) -> None:
+        """Remembers (weakly) every module of ``mirrored``'s copies, with ``policy``."""
+        per_copy = [[leaf for leaf in nest.flatten(c)[0] if isinstance(leaf, torch.nn.Module)]
+                    for c in mirrored.values]
+        for j in range(len(per_copy[0])):
+            self._groups.append(_Group([mods[j] for mods in per_copy], policy))
+
+    def for_run(self, num_replicas: int) -> RunSync | None:
+        """The sync the coming run does in each replica (None: nothing to sync)."""
+        live: list[tuple[_Group, list[torch.nn.Module]]] = []
+        kept = []
+        for g in self._groups:
+            mods = g.modules()
+            if mods is not None:
+                kept.append(g)
+                live.append((g, mods))
+        self._groups = kept
+        synced = [(g.policy, mods) for g, mods in live if g.policy is not None]
+        if num_replicas == 1 or not synced:
+            return None
+        return RunSync(synced)
+
+    def check_unsynced(self) -> None:
+        """Warns (once per module) when the local copies of a module mirrored with
+        ``sync_buffers=None`` hold different buffers after a run."""
+        for g in self._groups:
+            if g.policy is not None or g.warned or len(g.copies) < 2:
+                continue
+            mods = g.modules()
+            if mods is None:
+                continue
+            bufs = [list(m.buffers()) for m in mods]
+            versions = tuple(b._version for bs in bufs for b in bs)
+            if versions == g.versions:
+                continue  # nothing written since the last comparison
+            g.versions = versions
+            if any(not _same(bufs[0], bs) for bs in bufs[1:]):
+                g.warned = True
+                warnings.warn(
+                    f"the mirrored copies of {type(mods[0]).__name__} hold different buffers after "
+                    f"strategy.run (each replica updated them from its own batch; cr.save keeps "
+                    f"replica 0's); pass sync_buffers='broadcast' or 'mean' to strategy.mirror to keep "
+                    f"them identical", RuntimeWarning, stacklevel=5)
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(
+        x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y.to(x.device)) for x, y in zip(a, b))
+
+
+class RunSync:
+    """The buffer sync of one run: :meth:`sync` is called by each local replica."""
+
+    __slots__ = ("_synced",)
+
+    def __init__(self, synced: list[tuple[str, list[torch.nn.Module]]]):
+        self._synced = synced
+
+    def sync(self, local_index: int) -> None:
+        """Inside replica ``local_index``, after its replica function: makes its copies'
+        buffers agree with every other replica's (collectives over every replica)."""
+        to_broadcast: list[torch.Tensor] = []
+        to_average: list[torch.Tensor] = []
+        seen: set[int] = set()
+        for policy, mods in self._synced:
+            module = mods[local_index]
+            if not any(m.training for m in module.modules()):
+                continue
+            for sub in module.modules():
+                if _agree_already(sub):
+                    continue
+                for b in sub.buffers(recurse=False):
+                    if id(b) in seen:
+                        continue  # a module mirrored inside another one
+                    seen.add(id(b))
+                    if policy == "mean" and (b.is_floating_point() or b.is_complex()):
+                        to_average.append(b)
+                    else:
+                        to_broadcast.append(b)
+        with torch.no_grad():
+            if to_average:
+                _packed(to_average, lambda flats: collectives.all_reduce(flats, "mean"))
+            if to_broadcast:
+                _packed(to_broadcast, lambda flats: collectives.broadcast(flats, 0))
+
+
+def _agree_already(module: torch.nn.Module) -> bool:
+    """A SyncBatchNorm over every replica: each replica updates its statistics from the
+    same all-reduced totals, so its buffers agree without a sync."""
+    return (isinstance(module, SyncBatchNorm) and module.group_assignment is None
+            and module.num_shards_per_group is None)
+
+
+def _packed(tensors: list[torch.Tensor], collective: Any) -> None:
+    """Runs ``collective`` once on one flat tensor per (device, dtype) of ``tensors``
+    and copies the results back into them."""
+    packs: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        packs.setdefault((t.device, t.dtype), []).append(t)
+    members = list(packs.values())
+    outs = collective([flatten_pack(ts) for ts in members])
+    for ts, out in zip(members, outs):
+        unflatten_pack_(out, ts)
