@@ -13,6 +13,13 @@ Part 2: the demo's model (digits MLP 64-128-128-10, global batch 64) on 1, 2
 and 4 replicas (intra-op threads = cores // replicas) against plain torch on
 one device with every core.
 
+Part 3: the cost of keeping BatchNorm's running statistics identical
+(``strategy.mirror(model, sync_buffers=...)``): the demo model with a
+BatchNorm1d after each hidden layer, global batch 64, one step per
+``strategy.run`` (the sync runs once per run), on 2 and 4 replicas, with
+``sync_buffers="broadcast"`` (the default) and ``"mean"`` against ``None`` (no
+sync, the copies drift apart).
+
 Variants are measured side by side, interleaved round by round, in the same
 process; the tables give the median ms per step and the ratio to the baseline.
 On a shared machine the baseline's two OpenMP threads suffer most from other
@@ -33,6 +40,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from typing import Any
 from collections.abc import Callable
 
@@ -88,6 +96,29 @@ def strategy_runner(model: nn.Module, x: torch.Tensor, y: torch.Tensor, replicas
         torch.set_num_threads(threads)
         s.run(replica_step, args=(models, opts, batch[0], batch[1], steps, not options))
     return run, s, opts
+
+
+def bn_model(hidden: int = 128, seed: int = 0) -> nn.Module:
+    """The demo model with a BatchNorm1d after each hidden layer."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Linear(hidden, hidden),
+                         nn.BatchNorm1d(hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+
+def buffer_sync_runner(x: torch.Tensor, y: torch.Tensor, replicas: int, threads: int, steps: int,
+                       sync_buffers: str | None) -> Callable[[], None]:
+    """``steps`` training steps of :func:`bn_model`, one ``strategy.run`` each."""
+    s = cr.MirroredStrategy(replicas, devices=["cpu"] * replicas)
+    models = s.mirror(bn_model(), sync_buffers=sync_buffers)
+    opts = s.run(lambda m: cr.CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9,
+                                                                  foreach=True)), args=(models,))
+    (batch,) = list(s.distribute_dataset([(x, y)]))
+
+    def run() -> None:
+        torch.set_num_threads(threads)
+        for _ in range(steps):
+            s.run(replica_step, args=(models, opts, batch[0], batch[1], 1, False))
+    return run
 
 
 def state_table(opts: dict[str, Any]) -> None:
@@ -184,6 +215,19 @@ def main() -> None:
     demo_times = measure(variants, args.rounds, args.demo_steps)
     table(f"demo model (digits MLP 64-128-128-10), global batch 64, SGD; {args.rounds} rounds x "
           f"{args.demo_steps} steps, interleaved", demo_times, base_name)
+
+    # ---- part 3: BatchNorm buffers kept identical, against no sync
+    warnings.filterwarnings("ignore", message="the mirrored copies of")  # sync_buffers=None says so once
+    for n in (2, 4):
+        threads = max(1, cores // n)
+        base_name = f"{n} replicas, sync_buffers=None (baseline: no sync)"
+        variants = {base_name: buffer_sync_runner(xb, yb, n, threads, args.demo_steps, None)}
+        for policy in ("broadcast", "mean"):
+            variants[f"{n} replicas, sync_buffers={policy!r}"] = buffer_sync_runner(
+                xb, yb, n, threads, args.demo_steps, policy)
+        table(f"demo model + BatchNorm1d x 2, global batch 64, SGD, one step per run, {n} replicas x "
+              f"{threads} intra-op thread(s); {args.rounds} rounds x {args.demo_steps} steps, interleaved",
+              measure(variants, args.rounds, args.demo_steps), base_name)
     torch.set_num_threads(saved)
     if not args.no_plot:
         plot_training_step(mlp_times, mlp_base, demo_times, base_name, replicas_of, args.plot,
