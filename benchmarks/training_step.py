@@ -28,6 +28,7 @@ the minima is printed too: it is the better estimate for a quiet machine.
 
     PYTHONPATH=. python benchmarks/training_step.py [--rounds 15] [--steps 5]
     PYTHONPATH=. python benchmarks/training_step.py --quick   # a smoke run: 2 rounds x 1 step
+    PYTHONPATH=. python benchmarks/training_step.py --buffers-only   # part 3 alone
 
 It also draws docs/img/training_step.png (--plot PATH, --no-plot): step time
 relative to one process, and the demo model's step time vs replicas.
@@ -160,11 +161,26 @@ def table(title: str, times: dict[str, list[float]], baseline: str) -> None:
     print()
 
 
+def buffer_sync_part(xb: torch.Tensor, yb: torch.Tensor, cores: int, rounds: int, steps: int) -> None:
+    """Part 3: BatchNorm buffers kept identical, against no sync."""
+    warnings.filterwarnings("ignore", message="the mirrored copies of")  # sync_buffers=None says so once
+    for n in (2, 4):
+        threads = max(1, cores // n)
+        base_name = f"{n} replicas, sync_buffers=None (baseline: no sync)"
+        variants = {base_name: buffer_sync_runner(xb, yb, n, threads, steps, None)}
+        for policy in ("broadcast", "mean"):
+            variants[f"{n} replicas, sync_buffers={policy!r}"] = buffer_sync_runner(xb, yb, n, threads, steps, policy)
+        table(f"demo model + BatchNorm1d x 2, global batch 64, SGD, one step per run, {n} replicas x "
+              f"{threads} intra-op thread(s); {rounds} rounds x {steps} steps, interleaved",
+              measure(variants, rounds, steps), base_name)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=5, help="steps per round and variant (part 1)")
     ap.add_argument("--demo-steps", type=int, default=20, help="steps per round and variant (part 2)")
+    ap.add_argument("--buffers-only", action="store_true", help="part 3 only (BatchNorm buffer sync), no plot")
     ap.add_argument("--quick", action="store_true", help="2 rounds x 1 step (checks the script, measures little)")
     add_plot_arguments(ap, "training_step")
     args = ap.parse_args()
@@ -176,6 +192,11 @@ def main() -> None:
         cores = os.cpu_count() or 1
     saved = torch.get_num_threads()
     print(f"torch {torch.__version__}, {cores} cores available, load average {os.getloadavg()[0]:.2f}\n")
+    if args.buffers_only:
+        x_train, y_train, _, _ = demo.load_digits(0)
+        buffer_sync_part(x_train[:64], y_train[:64], cores, args.rounds, args.demo_steps)
+        torch.set_num_threads(saved)
+        return
 
     # ---- part 1: the MLP 784-1024-1024-10
     g = torch.Generator().manual_seed(0)
@@ -216,18 +237,7 @@ def main() -> None:
     table(f"demo model (digits MLP 64-128-128-10), global batch 64, SGD; {args.rounds} rounds x "
           f"{args.demo_steps} steps, interleaved", demo_times, base_name)
 
-    # ---- part 3: BatchNorm buffers kept identical, against no sync
-    warnings.filterwarnings("ignore", message="the mirrored copies of")  # sync_buffers=None says so once
-    for n in (2, 4):
-        threads = max(1, cores // n)
-        base_name = f"{n} replicas, sync_buffers=None (baseline: no sync)"
-        variants = {base_name: buffer_sync_runner(xb, yb, n, threads, args.demo_steps, None)}
-        for policy in ("broadcast", "mean"):
-            variants[f"{n} replicas, sync_buffers={policy!r}"] = buffer_sync_runner(
-                xb, yb, n, threads, args.demo_steps, policy)
-        table(f"demo model + BatchNorm1d x 2, global batch 64, SGD, one step per run, {n} replicas x "
-              f"{threads} intra-op thread(s); {args.rounds} rounds x {args.demo_steps} steps, interleaved",
-              measure(variants, args.rounds, args.demo_steps), base_name)
+    buffer_sync_part(xb, yb, cores, args.rounds, args.demo_steps)
     torch.set_num_threads(saved)
     if not args.no_plot:
         plot_training_step(mlp_times, mlp_base, demo_times, base_name, replicas_of, args.plot,

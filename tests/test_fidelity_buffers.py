@@ -82,11 +82,25 @@ def _train_none(strategy):
 MAINS = {"broadcast": _train_broadcast, "mean": _train_mean, None: _train_none}
 
 
+def _through_collectives(strategy):
+    """``strategy`` syncing buffers with collectives inside the replicas, as it does when
+    some replicas run in other processes (in one process it syncs after the run)."""
+    buffers = strategy.extended.mirrored_buffers
+    for_run = buffers.for_run
+    buffers.for_run = lambda num_replicas, num_local: for_run(num_replicas, 0)
+    return strategy
+
+
 def _gathered(engine, policy):
     """Per step, the buffers of every replica (replica-id order); every worker's result."""
     main = MAINS[policy]
     if engine == "threads":
         workers = [main(cr.MirroredStrategy(N, devices=["cpu"] * N))]
+        # the path processes take (collectives inside the replicas) gives the same bytes
+        for got, want in zip(main(_through_collectives(cr.MirroredStrategy(N, devices=["cpu"] * N)))["steps"],
+                             workers[0]["steps"]):
+            for g, w in zip(got, want):
+                _assert_equal(g, w, "collectives path vs in-process path")
     else:
         workers = run_workers(main, 2, replicas_per_worker=N // 2)
     steps = []
@@ -192,17 +206,35 @@ def _count_calls(strategy, monkeypatch):
     (None, []),
 ])
 def test_one_packed_call_per_policy(monkeypatch, policy, expected):
+    xs = cr.PerReplica([_batch(0, 0), _batch(0, 1)])
     s = cr.MirroredStrategy(2, devices=["cpu"] * 2)
     models = s.mirror(_model(), sync_buffers=policy)
     calls = _count_calls(s, monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        s.run(_forward, args=(models, cr.PerReplica([_batch(0, 0), _batch(0, 1)])))
+        s.run(_forward, args=(models, xs))
+    assert calls == []  # every replica in this process: synced after the run, no rendezvous
+    if policy is not None:
+        assert all(torch.equal(a, b) for a, b in zip(models.values[0].buffers(), models.values[1].buffers()))
+    s = _through_collectives(cr.MirroredStrategy(2, devices=["cpu"] * 2))
+    models = s.mirror(_model(), sync_buffers=policy)
+    calls = _count_calls(s, monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s.run(_forward, args=(models, xs))
     assert calls == expected
 
 
-def test_eval_mode_and_sync_batch_norm_cost_nothing(monkeypatch):
+def test_copies_that_changed_different_buffers_are_an_error():
     s = cr.MirroredStrategy(2, devices=["cpu"] * 2)
+    models = s.mirror(_model())
+    models.values[1].eval()
+    with pytest.raises(RuntimeError, match="replica 0 and replica 1 changed different buffers"):
+        s.run(lambda m, x: m(x), args=(models, cr.PerReplica([_batch(0, 0), _batch(0, 1)])))
+
+
+def test_eval_mode_and_sync_batch_norm_cost_nothing(monkeypatch):
+    s = _through_collectives(cr.MirroredStrategy(2, devices=["cpu"] * 2))
     models = s.mirror(_model())
     synced = s.mirror(cr.nn.convert_sync_batchnorm(_model()))
     calls = _count_calls(s, monkeypatch)

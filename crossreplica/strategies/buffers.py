@@ -20,12 +20,16 @@ replica 0's copy) silently drops what the others saw.
 * ``None``: no sync. A run after which the local copies' buffers differ warns
   once per module (only copies in the same process can be compared).
 
-The sync runs inside each replica after the replica function returns, before
-the run ends (DDP broadcasts before each forward instead): so when ``run``
-returns, every copy holds the same bytes, and what the caller reads or saves is
-what every replica holds. It uses the engine's collectives, so it works on
-every engine: one broadcast for every buffer of the policy (one flat tensor per
-device and dtype), and for ``"mean"`` one all-reduce of the floating ones.
+The sync ends every run, after the replica functions returned (DDP
+broadcasts before each forward instead): so when ``run`` returns every copy
+holds the same bytes, and what the caller reads or saves is what every replica
+holds. When some replicas run in other processes, each replica syncs inside
+its body with the engine's collectives: one broadcast for every buffer of the
+policy (one flat tensor per device and dtype), and for ``"mean"`` one
+all-reduce of the floating ones. When every replica runs in this process the
+caller's thread does the same arithmetic once they all returned (the engine's
+reduction, in replica order: the same bytes), which spares the replicas a
+rendezvous.
 
 Which modules are synced is decided the same way on every replica: a module
 whose copy has any submodule in training mode after the replica function
@@ -39,7 +43,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from typing import Any
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -47,9 +51,13 @@ from .. import collectives, nest
 from ..errors import summarize
 from ..nn import SyncBatchNorm
 from ..packing import flatten_pack, unflatten_pack_
+from ..reduce_op import ReduceOp
 from ..values import Mirrored
 
 __all__ = ["POLICIES", "MirroredBuffers", "RunSync", "check_policy"]
+
+#: ``strategy.extended.reduce_values``: one tensor per local replica -> their reduction.
+Reduce = Callable[[ReduceOp, Sequence[torch.Tensor]], torch.Tensor]
 
 #: The accepted values of ``sync_buffers``.
 POLICIES = ("broadcast", "mean", None)
@@ -94,8 +102,9 @@ class MirroredBuffers:
         for j in range(len(per_copy[0])):
             self._groups.append(_Group([mods[j] for mods in per_copy], policy))
 
-    def for_run(self, num_replicas: int) -> RunSync | None:
-        """The sync the coming run does in each replica (None: nothing to sync)."""
+    def for_run(self, num_replicas: int, num_local: int) -> RunSync | None:
+        """The sync of the coming run (None: nothing to sync), given the replicas in sync
+        and how many of them run in this process."""
         live: list[tuple[_Group, list[torch.nn.Module]]] = []
         kept = []
         for g in self._groups:
@@ -107,7 +116,14 @@ class MirroredBuffers:
         synced = [(g.policy, mods) for g, mods in live if g.policy is not None]
         if num_replicas == 1 or not synced:
             return None
-        return RunSync(synced)
+        return RunSync(synced, in_process=num_local == num_replicas)
+
+    def after_run(self, run_sync: RunSync | None, reduce_values: Reduce) -> None:
+        """In the caller's thread once every local replica returned: finishes the run's
+        sync (in one process) and warns about unsynced copies that differ."""
+        if run_sync is not None:
+            run_sync.finish(reduce_values)
+        self.check_unsynced()
 
     def check_unsynced(self) -> None:
         """Warns (once per module) when the local copies of a module mirrored with
@@ -138,16 +154,23 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 class RunSync:
-    """The buffer sync of one run: :meth:`sync` is called by each local replica."""
+    """The buffer sync of one run.
 
-    __slots__ = ("_synced",)
+    Across processes each local replica calls :meth:`sync` after its replica
+    function (collectives over every replica). When every replica runs in this
+    process, :meth:`finish` does the same arithmetic in the caller's thread once
+    they all returned (every copy is at hand there), which saves the replicas a
+    rendezvous; the bytes are the same (the engine's reduction, in replica order).
+    """
 
-    def __init__(self, synced: list[tuple[str, list[torch.nn.Module]]]):
+    __slots__ = ("_synced", "_in_process")
+
+    def __init__(self, synced: list[tuple[str, list[torch.nn.Module]]], in_process: bool):
         self._synced = synced
+        self._in_process = in_process
 
-    def sync(self, local_index: int) -> None:
-        """Inside replica ``local_index``, after its replica function: makes its copies'
-        buffers agree with every other replica's (collectives over every replica)."""
+    def _collect(self, local_index: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The buffers of replica ``local_index``'s copies to broadcast and to average."""
         to_broadcast: list[torch.Tensor] = []
         to_average: list[torch.Tensor] = []
         seen: set[int] = set()
@@ -166,11 +189,48 @@ class RunSync:
                         to_average.append(b)
                     else:
                         to_broadcast.append(b)
+        return to_broadcast, to_average
+
+    def sync(self, local_index: int) -> None:
+        """Inside replica ``local_index``, after its replica function: makes its copies'
+        buffers agree with every other replica's (collectives over every replica)."""
+        if self._in_process:
+            return
+        to_broadcast, to_average = self._collect(local_index)
         with torch.no_grad():
             if to_average:
                 _packed(to_average, lambda flats: collectives.all_reduce(flats, "mean"))
             if to_broadcast:
                 _packed(to_broadcast, lambda flats: collectives.broadcast(flats, 0))
+
+    def finish(self, reduce_values: Reduce) -> None:
+        """In the caller's thread after the run, when every replica is in this process:
+        copy 0's buffers to the others, or the mean (``reduce_values``) to all."""
+        if not self._in_process:
+            return
+        per_copy = [self._collect(i) for i in range(len(self._synced[0][1]))]
+        layout = [[(t.shape, t.dtype) for t in ts] for ts in per_copy[0]]
+        for i, lists in enumerate(per_copy[1:], 1):
+            if [[(t.shape, t.dtype) for t in ts] for ts in lists] != layout:
+                raise RuntimeError(
+                    f"the mirrored copies of replica 0 and replica {i} changed different buffers in this "
+                    f"run (their training modes or structure differ); switch train()/eval() inside the "
+                    f"replica function, on every copy alike")
+        with torch.no_grad():
+            sources = per_copy[0][0]
+            for to_broadcast, _ in per_copy[1:]:
+                for dst, src in zip(to_broadcast, sources):
+                    dst.copy_(src)
+            if not per_copy[0][1]:
+                return
+            packs: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+            for j, t in enumerate(per_copy[0][1]):
+                packs.setdefault((t.device, t.dtype), []).append(j)
+            for members in packs.values():
+                copies = [[avg[j] for j in members] for _, avg in per_copy]
+                mean = reduce_values(ReduceOp.MEAN, [flatten_pack(ts) for ts in copies])
+                for ts in copies:
+                    unflatten_pack_(mean.to(ts[0].device), ts)
 
 
 def _submodules(module: torch.nn.Module) -> list[torch.nn.Module]:

@@ -121,7 +121,7 @@ class StrategyExtended(LogicalDeviceExtended):
         # The caller's thread-local torch state (grad mode, autocast, default device,
         # ...): each replica thread runs under it, as the caller's thread would.
         state = torch_state.capture()
-        buffer_sync = self.mirrored_buffers.for_run(self.num_replicas_in_sync)
+        buffer_sync = self.mirrored_buffers.for_run(self.num_replicas_in_sync, len(ids))
         engine.begin_run()
 
         def body(i: int) -> Any:
@@ -155,7 +155,7 @@ class StrategyExtended(LogicalDeviceExtended):
                 raise_first_failure([(0, e)], ids)
         else:
             results = self._threads.run(body, on_error, self.timeout, ids)
-        self.mirrored_buffers.check_unsynced()
+        self.mirrored_buffers.after_run(buffer_sync, self.reduce_values)
         return results
 
     def merge_call(self, rctx: ReplicaContext, merge_fn: Callable[..., Any], args: tuple,
