@@ -162,7 +162,8 @@ def table(title: str, times: dict[str, list[float]], baseline: str) -> None:
 
 
 def buffer_sync_part(xb: torch.Tensor, yb: torch.Tensor, cores: int, rounds: int, steps: int) -> None:
-    """Part 3: BatchNorm buffers kept identical, against no sync."""
+    """Part 3: BatchNorm buffers kept identical, against no sync. Besides wall time, the
+    process's CPU time per step (every thread's): steadier than wall time on a loaded machine."""
     warnings.filterwarnings("ignore", message="the mirrored copies of")  # sync_buffers=None says so once
     for n in (2, 4):
         threads = max(1, cores // n)
@@ -170,9 +171,21 @@ def buffer_sync_part(xb: torch.Tensor, yb: torch.Tensor, cores: int, rounds: int
         variants = {base_name: buffer_sync_runner(xb, yb, n, threads, steps, None)}
         for policy in ("broadcast", "mean"):
             variants[f"{n} replicas, sync_buffers={policy!r}"] = buffer_sync_runner(xb, yb, n, threads, steps, policy)
-        table(f"demo model + BatchNorm1d x 2, global batch 64, SGD, one step per run, {n} replicas x "
-              f"{threads} intra-op thread(s); {rounds} rounds x {steps} steps, interleaved",
-              measure(variants, rounds, steps), base_name)
+        cpu: dict[str, list[float]] = {k: [] for k in variants}
+
+        def timed(fn: Callable[[], None], out: list[float]) -> Callable[[], None]:
+            def run() -> None:
+                t0 = time.process_time()
+                fn()
+                out.append((time.process_time() - t0) / steps)
+            return run
+
+        title = (f"demo model + BatchNorm1d x 2, global batch 64, SGD, one step per run, {n} replicas x "
+                 f"{threads} intra-op thread(s); {rounds} rounds x {steps} steps, interleaved")
+        table(title + ": wall time",
+              measure({k: timed(fn, cpu[k]) for k, fn in variants.items()}, rounds, steps), base_name)
+        # the first entry is measure()'s warm-up
+        table(title + ": CPU time of the process (every thread)", {k: ts[1:] for k, ts in cpu.items()}, base_name)
 
 
 def main() -> None:

@@ -219,8 +219,8 @@ class RunSync:
         with torch.no_grad():
             sources = per_copy[0][0]
             for to_broadcast, _ in per_copy[1:]:
-                for dst, src in zip(to_broadcast, sources):
-                    dst.copy_(src)
+                if to_broadcast:
+                    torch._foreach_copy_(to_broadcast, sources)  # one call (any devices)
             if not per_copy[0][1]:
                 return
             packs: dict[tuple[torch.device, torch.dtype], list[int]] = {}
