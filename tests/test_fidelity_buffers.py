@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import gc
 import os
 import tempfile
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -332,3 +334,26 @@ def test_convert_sync_batchnorm_round_trip():
     assert cr.nn.convert_sync_batchnorm(out) is out  # already synced: kept
     with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
         cr.nn.convert_sync_batchnorm("model")
+
+
+def test_strategy_holds_mirrored_modules_weakly():
+    s = cr.MirroredStrategy(2, devices=["cpu"] * 2)
+    models = s.mirror(_model())
+    refs = [weakref.ref(m) for m in models.values]
+    del models
+    gc.collect()
+    assert all(r() is None for r in refs)
+    s.run(lambda: None)  # forgotten modules are dropped, nothing to sync
+
+
+def test_sync_batch_norm_without_bias_matches_batch_norm():
+    xs = [_batch(0, r)[:, :2] for r in range(2)]
+    s = cr.MirroredStrategy(2, devices=["cpu"] * 2)
+    layers = s.mirror(cr.nn.SyncBatchNorm(2, bias=False))
+    ref = nn.BatchNorm1d(2, bias=False)
+    assert layers.values[0].bias is None
+    outs = s.run(lambda m, x: m(x), args=(layers, cr.PerReplica(xs)))
+    torch.testing.assert_close(torch.cat(s.experimental_local_results(outs)), ref(torch.cat(xs)),
+                               rtol=1e-5, atol=1e-5)
+    for m in layers.values:
+        torch.testing.assert_close(m.running_var, ref.running_var, rtol=1e-5, atol=1e-6)
