@@ -13,6 +13,13 @@ Part 2: the demo's model (digits MLP 64-128-128-10, global batch 64) on 1, 2
 and 4 replicas (intra-op threads = cores // replicas) against plain torch on
 one device with every core.
 
+Part 3: the cost of keeping BatchNorm's running statistics identical
+(``strategy.mirror(model, sync_buffers=...)``): the demo model with a
+BatchNorm1d after each hidden layer, global batch 64, one step per
+``strategy.run`` (the sync runs once per run), on 2 and 4 replicas, with
+``sync_buffers="broadcast"`` (the default) and ``"mean"`` against ``None`` (no
+sync, the copies drift apart).
+
 Variants are measured side by side, interleaved round by round, in the same
 process; the tables give the median ms per step and the ratio to the baseline.
 On a shared machine the baseline's two OpenMP threads suffer most from other
@@ -21,6 +28,7 @@ the minima is printed too: it is the better estimate for a quiet machine.
 
     PYTHONPATH=. python benchmarks/training_step.py [--rounds 15] [--steps 5]
     PYTHONPATH=. python benchmarks/training_step.py --quick   # a smoke run: 2 rounds x 1 step
+    PYTHONPATH=. python benchmarks/training_step.py --buffers-only   # part 3 alone
 
 It also draws docs/img/training_step.png (--plot PATH, --no-plot): step time
 relative to one process, and the demo model's step time vs replicas.
@@ -33,6 +41,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from typing import Any
 from collections.abc import Callable
 
@@ -90,6 +99,29 @@ def strategy_runner(model: nn.Module, x: torch.Tensor, y: torch.Tensor, replicas
     return run, s, opts
 
 
+def bn_model(hidden: int = 128, seed: int = 0) -> nn.Module:
+    """The demo model with a BatchNorm1d after each hidden layer."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Linear(hidden, hidden),
+                         nn.BatchNorm1d(hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+
+def buffer_sync_runner(x: torch.Tensor, y: torch.Tensor, replicas: int, threads: int, steps: int,
+                       sync_buffers: str | None) -> Callable[[], None]:
+    """``steps`` training steps of :func:`bn_model`, one ``strategy.run`` each."""
+    s = cr.MirroredStrategy(replicas, devices=["cpu"] * replicas)
+    models = s.mirror(bn_model(), sync_buffers=sync_buffers)
+    opts = s.run(lambda m: cr.CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9,
+                                                                  foreach=True)), args=(models,))
+    (batch,) = list(s.distribute_dataset([(x, y)]))
+
+    def run() -> None:
+        torch.set_num_threads(threads)
+        for _ in range(steps):
+            s.run(replica_step, args=(models, opts, batch[0], batch[1], 1, False))
+    return run
+
+
 def state_table(opts: dict[str, Any]) -> None:
     """Bytes of optimizer state tensors per replica, per variant."""
     from crossreplica.optim.sharded import state_bytes
@@ -129,11 +161,39 @@ def table(title: str, times: dict[str, list[float]], baseline: str) -> None:
     print()
 
 
+def buffer_sync_part(xb: torch.Tensor, yb: torch.Tensor, cores: int, rounds: int, steps: int) -> None:
+    """Part 3: BatchNorm buffers kept identical, against no sync. Besides wall time, the
+    process's CPU time per step (every thread's): steadier than wall time on a loaded machine."""
+    warnings.filterwarnings("ignore", message="the mirrored copies of")  # sync_buffers=None says so once
+    for n in (2, 4):
+        threads = max(1, cores // n)
+        base_name = f"{n} replicas, sync_buffers=None (baseline: no sync)"
+        variants = {base_name: buffer_sync_runner(xb, yb, n, threads, steps, None)}
+        for policy in ("broadcast", "mean"):
+            variants[f"{n} replicas, sync_buffers={policy!r}"] = buffer_sync_runner(xb, yb, n, threads, steps, policy)
+        cpu: dict[str, list[float]] = {k: [] for k in variants}
+
+        def timed(fn: Callable[[], None], out: list[float]) -> Callable[[], None]:
+            def run() -> None:
+                t0 = time.process_time()
+                fn()
+                out.append((time.process_time() - t0) / steps)
+            return run
+
+        title = (f"demo model + BatchNorm1d x 2, global batch 64, SGD, one step per run, {n} replicas x "
+                 f"{threads} intra-op thread(s); {rounds} rounds x {steps} steps, interleaved")
+        table(title + ": wall time",
+              measure({k: timed(fn, cpu[k]) for k, fn in variants.items()}, rounds, steps), base_name)
+        # the first entry is measure()'s warm-up
+        table(title + ": CPU time of the process (every thread)", {k: ts[1:] for k, ts in cpu.items()}, base_name)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=5, help="steps per round and variant (part 1)")
     ap.add_argument("--demo-steps", type=int, default=20, help="steps per round and variant (part 2)")
+    ap.add_argument("--buffers-only", action="store_true", help="part 3 only (BatchNorm buffer sync), no plot")
     ap.add_argument("--quick", action="store_true", help="2 rounds x 1 step (checks the script, measures little)")
     add_plot_arguments(ap, "training_step")
     args = ap.parse_args()
@@ -145,6 +205,11 @@ def main() -> None:
         cores = os.cpu_count() or 1
     saved = torch.get_num_threads()
     print(f"torch {torch.__version__}, {cores} cores available, load average {os.getloadavg()[0]:.2f}\n")
+    if args.buffers_only:
+        x_train, y_train, _, _ = demo.load_digits(0)
+        buffer_sync_part(x_train[:64], y_train[:64], cores, args.rounds, args.demo_steps)
+        torch.set_num_threads(saved)
+        return
 
     # ---- part 1: the MLP 784-1024-1024-10
     g = torch.Generator().manual_seed(0)
@@ -184,6 +249,8 @@ def main() -> None:
     demo_times = measure(variants, args.rounds, args.demo_steps)
     table(f"demo model (digits MLP 64-128-128-10), global batch 64, SGD; {args.rounds} rounds x "
           f"{args.demo_steps} steps, interleaved", demo_times, base_name)
+
+    buffer_sync_part(xb, yb, cores, args.rounds, args.demo_steps)
     torch.set_num_threads(saved)
     if not args.no_plot:
         plot_training_step(mlp_times, mlp_base, demo_times, base_name, replicas_of, args.plot,

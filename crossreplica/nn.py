@@ -31,11 +31,12 @@ from .context import get_replica_context
 from .groups import Groups, contiguous_groups, group_of, resolve_groups
 from .errors import summarize
 
-__all__ = ["SyncBatchNorm"]
+__all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 
 
 # What convert_sync_batchnorm carries over (absent ones are None: no affine, no running stats).
-_BATCH_NORM_STATE = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+_BATCH_NORM_PARAMETERS = ("weight", "bias")
+_BATCH_NORM_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 class SyncBatchNorm(tnn.modules.batchnorm._BatchNorm):
@@ -43,8 +44,8 @@ class SyncBatchNorm(tnn.modules.batchnorm._BatchNorm):
     shape ``(N, C, *)``.
 
     Args:
-        num_features, eps, momentum, affine, track_running_stats: as
-            ``torch.nn.BatchNorm2d``.
+        num_features, eps, momentum, affine, track_running_stats, bias: as
+            ``torch.nn.BatchNorm2d`` (``bias=False``: a scale without a shift).
         group_assignment: replicas whose batches are normalised together (see
             ``cr.all_reduce``); None is every replica in sync.
         num_shards_per_group: the seeds' spelling: groups of this many
@@ -54,7 +55,8 @@ class SyncBatchNorm(tnn.modules.batchnorm._BatchNorm):
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True, track_running_stats: bool = True, group_assignment: Any = None,
-                 num_shards_per_group: int | None = None, device: Any = None, dtype: Any = None):
+                 num_shards_per_group: int | None = None, device: Any = None, dtype: Any = None, *,
+                 bias: bool = True):
         check_int(num_features, "num_features", low=1, hint=" (channels)")
         if group_assignment is not None and num_shards_per_group is not None:
             raise ValueError(
@@ -63,7 +65,8 @@ class SyncBatchNorm(tnn.modules.batchnorm._BatchNorm):
                 f"num_shards_per_group={summarize(num_shards_per_group)}")
         if num_shards_per_group is not None:
             check_int(num_shards_per_group, "num_shards_per_group", low=1, hint=" or None")
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype,
+                         bias=bias)
         self.group_assignment = group_assignment
         self.num_shards_per_group = num_shards_per_group
 
@@ -131,21 +134,38 @@ class SyncBatchNorm(tnn.modules.batchnorm._BatchNorm):
         return out
 
     @classmethod
-    def convert_sync_batchnorm(cls, module: tnn.Module, group_assignment: Any = None) -> tnn.Module:
-        """``module`` with every BatchNorm layer replaced by a SyncBatchNorm (weights kept)."""
+    def convert_sync_batchnorm(cls, module: tnn.Module, group_assignment: Any = None, *,
+                               num_shards_per_group: int | None = None) -> tnn.Module:
+        """``module`` with every BatchNorm layer replaced by a SyncBatchNorm, as
+        ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` does.
+
+        Recursive; each new layer takes over the old one's parameters and buffers
+        (the same tensors, so ``requires_grad``, device and dtype are kept), its
+        training flag and ``qconfig``; ``affine=False``, ``bias=False`` and
+        ``track_running_stats=False`` layers stay so. ``module`` itself is returned
+        (its children replaced) unless it is a BatchNorm layer. Layers that already
+        are SyncBatchNorm are kept as they are. ``group_assignment`` /
+        ``num_shards_per_group`` go to every new layer (torch's ``process_group``).
+        """
+        if not isinstance(module, tnn.Module):
+            raise TypeError(f"module must be a torch.nn.Module; got {summarize(module)}")
         out = module
         if isinstance(module, tnn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
             out = cls(module.num_features, module.eps, module.momentum, module.affine,
-                      module.track_running_stats, group_assignment=group_assignment)
-            with torch.no_grad():
-                for name in _BATCH_NORM_STATE:
-                    source, target = getattr(module, name, None), getattr(out, name, None)
-                    if source is not None and target is not None:
-                        target.copy_(source)
-            out.train(module.training)
-            out = out.to(next(iter(module.state_dict().values())).device) if module.state_dict() else out
+                      module.track_running_stats, group_assignment=group_assignment,
+                      num_shards_per_group=num_shards_per_group, bias=module.bias is not None,
+                      device="meta")
+            # the old layer's tensors themselves (torch does the same)
+            for name in _BATCH_NORM_PARAMETERS:
+                out.register_parameter(name, getattr(module, name))
+            for name in _BATCH_NORM_BUFFERS:
+                out.register_buffer(name, getattr(module, name))
+            out.training = module.training
+            if hasattr(module, "qconfig"):
+                out.qconfig = module.qconfig
         for name, child in module.named_children():
-            out.add_module(name, cls.convert_sync_batchnorm(child, group_assignment))
+            out.add_module(name, cls.convert_sync_batchnorm(
+                child, group_assignment, num_shards_per_group=num_shards_per_group))
         return out
 
     def extra_repr(self) -> str:
@@ -155,3 +175,9 @@ class SyncBatchNorm(tnn.modules.batchnorm._BatchNorm):
         elif self.group_assignment is not None:
             extra += f", group_assignment={self.group_assignment!r}"
         return extra
+
+
+def convert_sync_batchnorm(module: tnn.Module, group_assignment: Any = None, *,
+                           num_shards_per_group: int | None = None) -> tnn.Module:
+    """``SyncBatchNorm.convert_sync_batchnorm``: every BatchNorm layer of ``module`` made a SyncBatchNorm."""
+    return SyncBatchNorm.convert_sync_batchnorm(module, group_assignment, num_shards_per_group=num_shards_per_group)

@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "variables": 5,
     "checkpoint.state": 5, "checkpoint.per_replica": 5, "checkpoint.restore": 5, "checkpoint.fileio": 5,
     "checkpoint.workers": 5, "checkpoint.safe_values": 5,
+    "strategies.buffers": 5,
     "demo": 6, "cli": 6, "testing": 6,
     "__init__": 7, "__main__": 7,
 }

@@ -21,6 +21,7 @@ from .. import context, data, nest
 from ..errors import ReplicaContextError, summarize
 from ..reduce_op import WIRE_DTYPES, ReduceOp, check_dtype, from_wire, reduce_non_distributed_value, to_wire
 from ..values import DistributedValues, Mirrored, regroup, select_replica
+from .buffers import check_policy
 from .extended import StrategyExtended
 from .logical_devices import LogicalDeviceMethods
 from .steps import run_steps
@@ -189,7 +190,7 @@ class Strategy(LogicalDeviceMethods):
 
     # ------------------------------------------------------------ replicated state and input
 
-    def mirror(self, obj: Any) -> Mirrored:
+    def mirror(self, obj: Any, *, sync_buffers: str | None = "broadcast") -> Mirrored:
         """``obj`` (a module, tensor or nest of them) as a Mirrored: one identical
         copy per local replica, on that replica's device.
 
@@ -200,11 +201,19 @@ class Strategy(LogicalDeviceMethods):
         (``extended.broadcast_initial_state``). Inside ``run``, each replica sees
         its own copy.
 
+        ``sync_buffers`` keeps the modules' buffers (BatchNorm's running
+        statistics) identical too, at the end of every run
+        (:mod:`crossreplica.strategies.buffers`): ``"broadcast"`` copies replica
+        0's to every replica, ``"mean"`` averages the floating-point ones, None
+        leaves each replica's own (and warns when they differ).
+
         Raises:
             ReplicaContextError: called inside a replica function.
-            ValueError: ``obj`` is already a DistributedValues.
+            ValueError: ``obj`` is already a DistributedValues, or ``sync_buffers``
+                is not one of "broadcast", "mean", None.
         """
         self._require_cross_replica("mirror")
+        policy = check_policy(sync_buffers)
         leaves, _ = nest.flatten(obj)
         if isinstance(obj, DistributedValues) or any(isinstance(v, DistributedValues) for v in leaves):
             raise ValueError(
@@ -214,7 +223,9 @@ class Strategy(LogicalDeviceMethods):
         copies = [_to_device(obj, devices[0])]
         for d in devices[1:]:
             copies.append(_to_device(copy.deepcopy(copies[0]), d))
-        return self.extended.broadcast_initial_state(Mirrored(copies))
+        mirrored = self.extended.broadcast_initial_state(Mirrored(copies))
+        self.extended.mirrored_buffers.register(mirrored, policy)
+        return mirrored
 
     def distribute_dataset(self, dataset: Any) -> Any:
         """Splits each global batch of ``dataset`` along dim 0, one part per replica.

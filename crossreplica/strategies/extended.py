@@ -31,6 +31,7 @@ from ..values import (
     select_replica,
     select_replica_mirrored,
 )
+from .buffers import MirroredBuffers
 from .logical_devices import LogicalDeviceExtended
 from .replica_threads import ReplicaThreads, raise_first_failure
 from .steps import MultiStepContext, run_steps_on_iterator
@@ -57,6 +58,8 @@ class StrategyExtended(LogicalDeviceExtended):
         n = len(self.worker_devices)
         self._running = False
         self._run_token: object = None
+        # the modules strategy.mirror made, whose buffers each run keeps in agreement
+        self.mirrored_buffers = MirroredBuffers()
         self._threads = ReplicaThreads(n, type(container).__name__) if n > 1 else None
         if self._threads is not None:
             # Not at interpreter exit: waking daemon threads while the interpreter
@@ -119,6 +122,7 @@ class StrategyExtended(LogicalDeviceExtended):
         # The caller's thread-local torch state (grad mode, autocast, default device,
         # ...): each replica thread runs under it, as the caller's thread would.
         state = torch_state.capture()
+        buffer_sync = self.mirrored_buffers.for_run(self.num_replicas_in_sync, len(ids))
         engine.begin_run()
 
         def body(i: int) -> Any:
@@ -132,6 +136,8 @@ class StrategyExtended(LogicalDeviceExtended):
                             out = fn(*a, **kw)
                     else:
                         out = fn(*a, **kw)
+                if buffer_sync is not None:
+                    buffer_sync.sync(i)
             finally:
                 context.pop()
             if self._run_token is token:
@@ -144,11 +150,14 @@ class StrategyExtended(LogicalDeviceExtended):
 
         if self._threads is None:
             try:
-                return [body(0)]
+                results = [body(0)]
             except Exception as e:
                 engine.abort(ids[0], e)
                 raise_first_failure([(0, e)], ids)
-        return self._threads.run(body, on_error, self.timeout, ids)
+        else:
+            results = self._threads.run(body, on_error, self.timeout, ids)
+        self.mirrored_buffers.after_run(buffer_sync, self.reduce_values)
+        return results
 
     def merge_call(self, rctx: ReplicaContext, merge_fn: Callable[..., Any], args: tuple,
                    kwargs: dict) -> Any:
