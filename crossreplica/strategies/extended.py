@@ -33,6 +33,7 @@ from ..values import (
 from .logical_devices import LogicalDeviceExtended
 from .replica_threads import ReplicaThreads, raise_first_failure
 from .steps import MultiStepContext, run_steps_on_iterator
+from .tf_compat import TFCompatExtended, broadcast_to
 
 if TYPE_CHECKING:
     from .base import Strategy
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 __all__ = ["StrategyExtended"]
 
 
-class StrategyExtended(LogicalDeviceExtended):
+class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
     """The strategy's machinery: devices, engine, replica threads, merge_call."""
 
     def __init__(self, container: "Strategy", devices: Sequence[torch.device], engine: Engine,
@@ -252,10 +253,11 @@ class StrategyExtended(LogicalDeviceExtended):
                                                        reducer=self)
 
     def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
-        """``tensor`` copied to every device of ``destinations`` (a Mirrored)."""
+        """``tensor`` copied to every device of ``destinations`` (a Mirrored, one distinct copy
+        per destination value); a Python number is returned as it is, as TF does."""
         self._require_cross_replica("broadcast_to")
         with self._container.scope():
-            return self._cross_device_ops.broadcast(tensor, destinations)
+            return broadcast_to(self._cross_device_ops, tensor, destinations)
 
     def update(self, var: Any, fn: Callable[..., Any], args: Sequence[Any] = (),
                kwargs: dict | None = None, group: bool = True) -> Any:
