@@ -128,7 +128,7 @@ class Variable:
         if rctx is None or not (args or kwargs):  # (no arguments: copy / pickle)
             return super().__new__(cls)
         # Every replica creates it: one variable, made once in cross-replica context.
-        created: Variable = rctx.merge_call(_create_in_merge, args=(cls, args, kwargs))
+        created: Variable = rctx.merge_call(functools.partial(_create_in_merge, cls), args=(args, kwargs))
         return created
 
     def __init__(self, initial_value: Any, trainable: bool | None = None, name: str | None = None,
@@ -441,7 +441,8 @@ def _merge_update(var: Variable, kind: str, argname: str, strategy: Any, value: 
         _apply(c, kind, new.to(c.device))
 
 
-def _create_in_merge(strategy: Any, cls: type, args: Any, kwargs: Any) -> Variable:
+def _create_in_merge(cls: type, strategy: Any, args: Any, kwargs: Any) -> Variable:
     """merge_fn of a variable created in a replica function: one variable from local replica
     0's arguments (across workers the chief's initial value wins, as at any creation)."""
-    return cls(*select_replica(0, args), **select_replica(0, kwargs))
+    args, kwargs = select_replica(0, (args, kwargs))
+    return cls(*args, **kwargs)
