@@ -289,6 +289,18 @@ def test_broadcast_to_a_mirrored_destination_that_shares_one_tensor():
     out.values[1].mul_(5)
     assert [c.tolist() for c in out.values] == [[1.0, 1.0], [5.0, 5.0], [1.0, 1.0]]
     assert s.extended.broadcast_to(7, "cpu") == 7
+    per_device = s.extended.broadcast_to(torch.ones(2), s.extended.worker_devices)  # one per replica
+    assert len(per_device.values) == 3 and len({c.data_ptr() for c in per_device.values}) == 3
+    t = torch.ones(1)
+    on_cpu = s.extended.broadcast_to(t, "cpu")  # a device string: one copy there, not the caller's tensor
+    assert len(on_cpu.values) == 1 and on_cpu.values[0] is not t
+
+
+def test_sync_batch_norm_takes_distributed_group_size():
+    bn = cr.nn.SyncBatchNorm(3, distributed_group_size=2)
+    assert bn.num_shards_per_group == 2
+    with pytest.raises(ValueError, match="not both"):
+        cr.nn.SyncBatchNorm(3, num_shards_per_group=2, distributed_group_size=2)
 
 
 # ------------------------------------------------------------------ 9. variables and devices
@@ -307,6 +319,12 @@ def test_variable_created_in_a_replica_function(run_replicas):
     for value, name, _ in outs:
         torch.testing.assert_close(value, expected)
         assert name == "made_inside"
+
+
+def test_a_variable_created_on_one_device():
+    s = cr.OneDeviceStrategy()
+    v = s.run(lambda: cr.Variable(torch.ones(2), name="single"))
+    assert isinstance(v, cr.Variable) and v.name == "single" and v.distribute_strategy is s
 
 
 def test_replicas_of_one_process_share_the_created_variable():

@@ -201,11 +201,14 @@ def _colocation(colocate_with: Any) -> tuple[torch.device, ...]:
 def broadcast_to(ops: "CrossDeviceOps", value: Any, destinations: Any) -> Any:
     """``value`` on every destination: a Python number unchanged (as TF, which leaves its dtype
     open), a tensor as a Mirrored with one distinct copy per destination value (per copy of
-    a cr.Variable), even where several share a device."""
+    a cr.Variable, per device of a list of devices), even where several share a device."""
     if isinstance(value, numbers.Number) and not isinstance(value, torch.Tensor):
         return value
     if isinstance(destinations, Variable):
         destinations = Mirrored(list(destinations.values))
+    elif isinstance(destinations, (tuple, list)) and destinations:
+        # A device per replica (``extended.worker_devices``): one copy each, shared device or not.
+        destinations = Mirrored([torch.empty(0, device=d) for d in _colocation(destinations)])
     return ops.broadcast(value, destinations)
 
 
