@@ -282,6 +282,18 @@ def test_update_non_slot_bad_input():
         s.run(lambda: ext.update_non_slot(devices, lambda: None))
 
 
+def test_update_of_a_variable_runs_on_each_copy_in_its_update_context():
+    s = cr.MirroredStrategy(3)
+    with s.scope():
+        w = cr.Variable(torch.ones(2))
+        lr = cr.Variable(0.5)
+    out = s.extended.update(w, lambda v, g: v.sub_(lr.value() * g), args=(cr.Mirrored([torch.ones(2)] * 3),),
+                            group=False)
+    assert [c.tolist() for c in w.values] == [[0.5, 0.5]] * 3 and all(o is c for o, c in zip(out, w.values))
+    s.extended.update(w, lambda v: lr.assign_add(1.0))  # each copy of lr once
+    assert [c.item() for c in lr.values] == [1.5] * 3
+
+
 def test_broadcast_to_a_mirrored_destination_that_shares_one_tensor():
     s = cr.MirroredStrategy(3)
     shared = torch.zeros(2)

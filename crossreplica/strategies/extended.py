@@ -30,6 +30,7 @@ from ..values import (
     select_replica,
     select_replica_mirrored,
 )
+from ..variables import Variable
 from .logical_devices import LogicalDeviceExtended
 from .replica_threads import ReplicaThreads, raise_first_failure
 from .steps import MultiStepContext, run_steps_on_iterator
@@ -261,8 +262,9 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
 
     def update(self, var: Any, fn: Callable[..., Any], args: Sequence[Any] = (),
                kwargs: dict | None = None, group: bool = True) -> Any:
-        """Runs ``fn(v, *args, **kwargs)`` on every copy ``v`` of ``var`` (a Mirrored),
-        on its device, under ``torch.no_grad()``.
+        """Runs ``fn(v, *args, **kwargs)`` on every copy ``v`` of ``var`` (a Mirrored or a
+        cr.Variable), on its device, under ``torch.no_grad()``, in copy ``i``'s update context
+        (a cr.Variable used in ``fn`` is its copy ``i``, as in TF's UpdateContext).
 
         Distributed ``args``/``kwargs`` must be Mirrored; copy ``i`` gets their
         ``i``-th value. With ``group`` the results are regrouped (Mirrored where
@@ -279,18 +281,19 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs must be a dict or None; got {summarize(kwargs)}")
         kwargs = kwargs or {}
-        copies = var.values if isinstance(var, DistributedValues) else (var,)
+        copies = var.values if isinstance(var, (DistributedValues, Variable)) else (var,)
         results = []
         with self._container.scope(), torch.no_grad():
             for i, v in enumerate(copies):
                 a = select_replica_mirrored(i, tuple(args))
                 kw = select_replica_mirrored(i, kwargs)
                 device = getattr(v, "device", None)
-                if device is not None and device.type == "cuda":
-                    with torch.cuda.device(device):
+                with context.update_context(self._container, i):
+                    if device is not None and device.type == "cuda":
+                        with torch.cuda.device(device):
+                            results.append(fn(v, *a, **kw))
+                    else:
                         results.append(fn(v, *a, **kw))
-                else:
-                    results.append(fn(v, *a, **kw))
         if not group:
             return tuple(results)
         return regroup(results, Mirrored)
