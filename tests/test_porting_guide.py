@@ -42,14 +42,11 @@ def _sections() -> dict[str, list[tuple[str, str]]]:
 SECTIONS = _sections()
 
 
-def test_the_guide_has_its_sections_and_the_merge_placeholder():
-    text = GUIDE.read_text()
+def test_the_guide_has_its_sections():
     for title in ("Strategies and replica functions", "Cross-device ops", "CrossShardOptimizer",
                   "Variables with synchronization and aggregation", "The rest of the strategy surface"):
         assert any(title in t for t in SECTIONS), title
-    assert "<!-- cross-device-ops section: merged from docs/_porting_cdo.md -->" in text \
-        or any(kind == "snippet" for kind, _ in SECTIONS["Cross-device ops"])
-    assert "](porting.md)" not in text  # links are relative to docs/
+    assert sum(kind == "snippet" for pieces in SECTIONS.values() for kind, _ in pieces) >= 20
 
 
 @pytest.mark.parametrize("title", [t for t, pieces in SECTIONS.items() if pieces])
