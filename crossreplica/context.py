@@ -36,6 +36,8 @@ __all__ = [
     "in_cross_replica_context",
     "get_replica_context",
     "register_default_strategy",
+    "update_context",
+    "current_update",
 ]
 
 
@@ -45,6 +47,10 @@ class ReplicaHost(Protocol):
     @property
     def worker_devices(self) -> "tuple[torch.device, ...]":
         """The local replicas' devices, in local order."""
+
+    @property
+    def logical_devices(self) -> "tuple[tuple[torch.device, ...], ...]":
+        """Per local replica, every device it owns (its own device first)."""
 
     @property
     def run_token(self) -> object:
@@ -77,6 +83,7 @@ Frame = tuple[StrategyLike, "ReplicaContext | None"]
 class _Stack(threading.local):
     def __init__(self) -> None:
         self.frames: list[Frame] = []
+        self.updates: list[tuple[Any, int]] = []  # update contexts: (strategy, copy index)
 
 
 _stack = _Stack()
@@ -115,6 +122,24 @@ def frame(strategy: StrategyLike, replica_context: "ReplicaContext | None") -> I
         yield
     finally:
         pop()
+
+
+@contextlib.contextmanager
+def update_context(strategy: StrategyLike, index: int) -> Iterator[None]:
+    """TF's UpdateContext: inside it (cross-replica context) a variable of ``strategy`` is
+    its copy ``index``: reads give that copy, updates change that copy only. What
+    ``strategy.extended.update_non_slot`` runs ``fn`` in, once per device."""
+    _stack.updates.append((strategy, index))
+    try:
+        yield
+    finally:
+        _stack.updates.pop()
+
+
+def current_update() -> "tuple[Any, int] | None":
+    """The innermost update context of this thread: (strategy, copy index), or None."""
+    updates = _stack.updates
+    return updates[-1] if updates else None
 
 
 def _default() -> Any:
@@ -202,7 +227,8 @@ class ReplicaContext:
 
     @property
     def devices(self) -> "tuple[torch.device, ...]":
-        return (self._host.worker_devices[self._local_index],)
+        """Every device of this replica: its logical devices, its own device first."""
+        return tuple(self._host.logical_devices[self._local_index])
 
     @property
     def device(self) -> "torch.device":

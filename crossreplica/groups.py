@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import operator
 from collections import abc
 from typing import Any, cast
@@ -346,24 +347,34 @@ class Mesh:
         return r
 
     def _axes(self, axes: Any) -> tuple[str, ...]:
-        if isinstance(axes, str):
+        """Axis names from names and/or axis indices (Mesh TensorFlow's integer ``mesh_axes``)."""
+        if isinstance(axes, (str, numbers.Integral)):
             axes = (axes,)
         if not isinstance(axes, abc.Iterable):
             raise ValueError(
-                f"axes must be an axis name or a sequence of names of {summarize(self)};"
+                f"axes must be an axis name or index, or a sequence of them, of {summarize(self)};"
                 f" got {summarize(axes)}")
-        axes = tuple(axes)
-        for a in axes:
-            if a not in self._shape:
-                raise ValueError(
-                    f"axes names {summarize(a)}, which is not an axis of {summarize(self)};"
-                    f" valid names: {list(self._names)}")
+        axes = tuple(self._axis_name(a) for a in axes)
         if len(set(axes)) != len(axes):
-            raise ValueError(f"axes must not repeat a name; got {summarize(axes)}")
+            raise ValueError(f"axes must not repeat a name (or its index); got {summarize(axes)}")
         return axes
 
+    def _axis_name(self, a: Any) -> str:
+        if isinstance(a, numbers.Integral) and not isinstance(a, bool):
+            if not 0 <= int(a) < len(self._names):
+                raise ValueError(
+                    f"axes holds the index {a}, which is out of range for {summarize(self)}: indices are "
+                    f"0..{len(self._names) - 1} ({', '.join(f'{i}={n!r}' for i, n in enumerate(self._names))})")
+            return self._names[int(a)]
+        if not isinstance(a, str) or a not in self._shape:
+            raise ValueError(
+                f"axes names {summarize(a)}, which is not an axis of {summarize(self)};"
+                f" valid names: {list(self._names)} (or their indices 0..{len(self._names) - 1})")
+        return a
+
     def group_assignment(self, axes: Any) -> Groups:
-        """Groups of replicas that share their coordinates on every axis not in ``axes``.
+        """Groups of replicas that share their coordinates on every axis not in ``axes``
+        (names, or indices into ``axis_names`` as Mesh TensorFlow's ``mesh_axes``).
 
         Groups are ordered row-major over the kept axes and members row-major over
         the reduced ones (Mesh TensorFlow's pnum_to_group).

@@ -50,14 +50,19 @@ class SyncBatchNorm(tnn.modules.batchnorm._BatchNorm):
             ``cr.all_reduce``); None is every replica in sync.
         num_shards_per_group: the seeds' spelling: groups of this many
             consecutive replicas (``[[0, 1], [2, 3]]`` for 2 of 4). Exclusive
-            with ``group_assignment``.
+            with ``group_assignment``; ``distributed_group_size`` is its other seed spelling.
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True, track_running_stats: bool = True, group_assignment: Any = None,
                  num_shards_per_group: int | None = None, device: Any = None, dtype: Any = None, *,
-                 bias: bool = True):
+                 bias: bool = True, distributed_group_size: int | None = None):
         check_int(num_features, "num_features", low=1, hint=" (channels)")
+        if distributed_group_size is not None:
+            if num_shards_per_group is not None:
+                raise ValueError(f"pass either num_shards_per_group or distributed_group_size, not both; got "
+                                 f"{summarize(num_shards_per_group)} and {summarize(distributed_group_size)}")
+            num_shards_per_group = distributed_group_size
         if group_assignment is not None and num_shards_per_group is not None:
             raise ValueError(
                 f"pass either group_assignment or num_shards_per_group, not both; got "

@@ -45,7 +45,7 @@ import torch
 from . import context, nest
 from .errors import ReplicaContextError, summarize
 from .reduce_op import ReduceOp, check_dtype
-from .values import DistributedValues, Mirrored, PerReplica
+from .values import DistributedValues, Mirrored, PerReplica, select_replica
 
 __all__ = ["Variable", "VariableAggregation", "VariableSynchronization"]
 
@@ -111,21 +111,32 @@ class Variable:
         synchronization: a ``cr.VariableSynchronization`` (or its name); AUTO means ON_WRITE.
         aggregation: a ``cr.VariableAggregation`` (or its name).
 
+    Created inside a replica function (every replica creates it, as TF code under
+    ``strategy.scope()`` may), the replicas meet in a ``merge_call`` that creates one
+    variable from replica 0's arguments (across workers: the chief's initial value),
+    and every replica gets that same variable. Create it once (the first step), not
+    on every call.
+
     Raises:
-        ReplicaContextError: created inside a replica function.
         ValueError: ON_READ with aggregation NONE, ON_READ and trainable, or
             synchronization NONE with several replicas.
         TypeError: MEAN aggregation of a dtype that is not floating point or complex.
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Variable":
+        rctx = context.get_replica_context()
+        if rctx is None or not (args or kwargs):  # (no arguments: copy / pickle)
+            return super().__new__(cls)
+        # Every replica creates it: one variable, made once in cross-replica context.
+        created: Variable = rctx.merge_call(functools.partial(_create_in_merge, cls), args=(args, kwargs))
+        return created
+
     def __init__(self, initial_value: Any, trainable: bool | None = None, name: str | None = None,
                  dtype: torch.dtype | None = None,
                  synchronization: VariableSynchronization | str = VariableSynchronization.AUTO,
                  aggregation: VariableAggregation | str = VariableAggregation.NONE):
-        if context.get_replica_context() is not None:
-            raise ReplicaContextError(
-                "cr.Variable must be created in cross-replica context (under strategy.scope(), outside "
-                "strategy.run); create it before running the replica function and pass it in")
+        if "_copies" in self.__dict__:  # made by __new__'s merge_call in a replica function
+            return
         sync = VariableSynchronization.from_any(synchronization, "synchronization")
         agg = VariableAggregation.from_any(aggregation, "aggregation")
         if sync is VariableSynchronization.AUTO:
@@ -201,6 +212,13 @@ class Variable:
         """This replica's copy, or None in cross-replica context."""
         rctx = context.get_replica_context()
         if rctx is None:
+            update = context.current_update()
+            if update is not None and update[0] is self._strategy:
+                index = update[1]
+                if not 0 <= index < len(self._copies):
+                    raise ValueError(f"{self._what()} has {len(self._copies)} local copies, but is used in the "
+                                     f"update of device {index}; update it on non_slot_devices()")
+                return self._copies[index]
             return None
         if rctx.strategy is not self._strategy:
             raise ValueError(f"{self._what()} belongs to {self._strategy!r}, but is used in a replica "
@@ -285,7 +303,9 @@ class Variable:
             self._update_cross_replica(kind, value, argname)
         else:
             t = self._convert(value, local.device, argname)
-            if self._sync is VariableSynchronization.ON_WRITE and self._strategy.num_replicas_in_sync > 1:
+            if context.get_replica_context() is None:  # an update context: this copy only (TF)
+                _apply(local, kind, t)
+            elif self._sync is VariableSynchronization.ON_WRITE and self._strategy.num_replicas_in_sync > 1:
                 rctx = context.require_replica_context(f"{self._what()}.{kind}")
                 rctx.merge_call(functools.partial(_merge_update, self, kind, argname), args=(t,))
             else:
@@ -419,3 +439,10 @@ def _merge_update(var: Variable, kind: str, argname: str, strategy: Any, value: 
         new = first
     for c in var.values:
         _apply(c, kind, new.to(c.device))
+
+
+def _create_in_merge(cls: type, strategy: Any, args: Any, kwargs: Any) -> Variable:
+    """merge_fn of a variable created in a replica function: one variable from local replica
+    0's arguments (across workers the chief's initial value wins, as at any creation)."""
+    args, kwargs = select_replica(0, (args, kwargs))
+    return cls(*args, **kwargs)

@@ -128,15 +128,47 @@ def cross_replica_mean(x: Nest, group_assignment: GroupAssignment = None, *, mes
     return all_reduce(x, ReduceOp.MEAN, group_assignment, mesh=mesh, axes=axes)
 
 
-def cross_replica_average(x: Nest, num_shards_per_group: int) -> Any:
-    """Averages over groups of ``num_shards_per_group`` consecutive replicas.
+def cross_replica_average(x: Nest, *args: int | None, num_shards: int | None = None,
+                          num_shards_per_group: int | None = None, distributed_group_size: int | None = None,
+                          physical_shape: Any = None, tile_shape: Any = None,
+                          use_spatial_partitioning: bool = False) -> Any:
+    """Averages over groups of consecutive replicas (distributed batch norm's reduction).
 
-    The reduction distributed batch norm uses; the group size must divide the
-    number of replicas.
+    Every spelling of the seeds works, with groups ``[[0..k-1], [k..2k-1], ...]``:
+    ``cross_replica_average(x, k)``, ``(x, num_shards_per_group=k)``, TF's
+    ``(x, num_shards, num_shards_per_group)`` (positional or keywords) and
+    ``(x, num_shards, distributed_group_size)`` (``distributed_group_size=k`` as a
+    keyword). ``num_shards``, when given, must be the number of replicas in sync;
+    ``k`` must divide it. ``physical_shape`` / ``tile_shape`` (TPU topology) are not
+    supported: pass the groups to ``cr.cross_replica_mean(x, group_assignment)``.
     """
     rctx = require_replica_context("cr.cross_replica_average")
-    groups = contiguous_groups(rctx.num_replicas_in_sync, num_shards_per_group)
-    return all_reduce(x, ReduceOp.MEAN, groups)
+    n = rctx.num_replicas_in_sync
+    if len(args) > 2:
+        raise TypeError(f"cr.cross_replica_average takes at most 2 positional arguments after x "
+                        f"(num_shards, num_shards_per_group); got {len(args)}")
+    if len(args) == 1:  # the short form: the group size alone
+        if num_shards_per_group is not None or distributed_group_size is not None:
+            num_shards = args[0] if num_shards is None else num_shards
+        else:
+            num_shards_per_group = args[0]
+    elif len(args) == 2:
+        num_shards, num_shards_per_group = args[0] if num_shards is None else num_shards, args[1]
+    if num_shards_per_group is not None and distributed_group_size is not None:
+        raise ValueError(f"cr.cross_replica_average: pass num_shards_per_group or distributed_group_size, "
+                         f"not both; got {summarize(num_shards_per_group)} and {summarize(distributed_group_size)}")
+    k = num_shards_per_group if num_shards_per_group is not None else distributed_group_size
+    if physical_shape is not None or tile_shape is not None or use_spatial_partitioning:
+        raise ValueError("cr.cross_replica_average: physical_shape, tile_shape and use_spatial_partitioning "
+                         "describe a TPU topology, which crossreplica does not model; build the groups "
+                         "yourself and call cr.cross_replica_mean(x, group_assignment)")
+    if k is None:
+        raise TypeError("cr.cross_replica_average needs the group size: cross_replica_average(x, k), "
+                        "(x, num_shards, num_shards_per_group) or distributed_group_size=k")
+    if num_shards is not None and num_shards != n:
+        raise ValueError(f"cr.cross_replica_average: num_shards={summarize(num_shards)}, but {n} replicas are "
+                         f"in sync; pass num_shards={n} (or leave it out)")
+    return all_reduce(x, ReduceOp.MEAN, contiguous_groups(n, k))
 
 
 def reduce_scatter(x: Nest, op: ReduceOp | str = "sum", dim: int = 0, group_assignment: GroupAssignment = None, *,

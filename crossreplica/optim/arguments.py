@@ -14,21 +14,42 @@ from ..arguments import check_number
 from ..errors import summarize
 from ..reduce_op import ReduceOp
 
-__all__ = ["canonical_reduction", "canonical_weight", "loss_to_buffer", "reduced_loss"]
+__all__ = ["DEFAULT_NAME", "canonical_name", "canonical_reduction", "canonical_weight", "loss_to_buffer",
+           "reduced_loss"]
 
 _VALID_REDUCTIONS = (ReduceOp.MEAN, ReduceOp.SUM)
+#: TF's ``tf.compat.v1.losses.Reduction`` values that TF's CrossShardOptimizer accepts.
+_TF_REDUCTIONS = {"weighted_mean": ReduceOp.MEAN, "weighted_sum": ReduceOp.SUM}
+DEFAULT_NAME = "CrossShardOptimizer"
 
 
 def canonical_reduction(reduction: Any) -> ReduceOp:
+    """``reduction`` as MEAN or SUM: a cr.ReduceOp, "mean" / "sum" in any case, or TF's
+    ``tf.compat.v1.losses.Reduction.MEAN`` / ``.SUM`` ("weighted_mean" / "weighted_sum"),
+    the two TF's CrossShardOptimizer accepts."""
     op = None
     if isinstance(reduction, ReduceOp):
         op = reduction
     elif isinstance(reduction, str):
-        op = ReduceOp.__members__.get(reduction.upper())
+        op = ReduceOp.__members__.get(reduction.upper()) or _TF_REDUCTIONS.get(reduction.lower())
     if op not in _VALID_REDUCTIONS:
         raise ValueError(
-            f"reduction must be one of 'mean', 'sum' (or cr.ReduceOp.MEAN / SUM); got {summarize(reduction)}")
+            f"reduction must be one of 'mean', 'sum' (or cr.ReduceOp.MEAN / SUM, or TF's "
+            f"tf.compat.v1.losses.Reduction.MEAN / SUM: 'weighted_mean' / 'weighted_sum'); got "
+            f"{summarize(reduction)}")
     return op
+
+
+def canonical_name(name: Any) -> str:
+    """TF's third positional argument, the name (None: "CrossShardOptimizer")."""
+    if name is None:
+        return DEFAULT_NAME
+    if not isinstance(name, str):
+        raise TypeError(
+            f"name must be a str or None (TF's order: CrossShardOptimizer(opt, reduction, name, "
+            f"group_assignment)); got {summarize(name)}; pass a group assignment by keyword: "
+            f"group_assignment={summarize(name)}")
+    return name
 
 
 def canonical_weight(weight: Any) -> float:

@@ -25,6 +25,7 @@ from ..packing import DEFAULT_BYTES_PER_PACK, PackedBuffers
 from ..reduce_op import ReduceOp
 from .amp import reduce_before_scaler, unscale_or_skip
 from .arguments import (
+    canonical_name,
     canonical_reduction,
     canonical_weight,
     loss_to_buffer,
@@ -44,7 +45,9 @@ class CrossShardOptimizer(torch.optim.Optimizer):
 
     Args:
         optimizer: the torch optimizer over this replica's parameters.
-        reduction: ``"mean"`` (default) or ``"sum"`` of the gradients over the group.
+        reduction: ``"mean"`` (default) or ``"sum"`` of the gradients over the group (or TF's
+            ``losses.Reduction.MEAN`` / ``SUM``: "weighted_mean" / "weighted_sum").
+        name: a name, as TF's third positional argument (default "CrossShardOptimizer").
         group_assignment: replicas that reduce together (see ``cr.all_reduce``);
             None is every replica in sync.
         bytes_per_pack: the most bytes fused into one flat buffer per
@@ -70,7 +73,8 @@ class CrossShardOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, reduction: ReduceOp | str = "mean",
-                 group_assignment: Any = None, bytes_per_pack: int = DEFAULT_BYTES_PER_PACK, *,
+                 name: str | None = None, group_assignment: Any = None,
+                 bytes_per_pack: int = DEFAULT_BYTES_PER_PACK, *,
                  overlap: bool = False, shard_optimizer_state: bool = False,
                  communication_options: CommunicationOptions | None = None):
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -86,14 +90,15 @@ class CrossShardOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"communication_options must be a cr.CommunicationOptions; got "
                                 f"{type(communication_options).__name__}: {summarize(communication_options)}")
             bytes_per_pack = communication_options.bytes_per_pack or bytes_per_pack
-        for name, flag in (("overlap", overlap), ("shard_optimizer_state", shard_optimizer_state)):
+        for flag_name, flag in (("overlap", overlap), ("shard_optimizer_state", shard_optimizer_state)):
             if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be True or False; got {summarize(flag)}")
+                raise TypeError(f"{flag_name} must be True or False; got {summarize(flag)}")
         if overlap and shard_optimizer_state:
             raise ValueError("overlap=True and shard_optimizer_state=True cannot be combined yet; pick one")
         check_int(bytes_per_pack, "bytes_per_pack", low=1, hint=" (bytes)")
         self._optimizer = optimizer
         self._reduction = canonical_reduction(reduction)
+        self.name = canonical_name(name)  # TF's name (None: "CrossShardOptimizer")
         self._group_assignment = group_assignment
         self._bytes_per_pack = bytes_per_pack
         self._overlap = overlap
@@ -188,7 +193,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
     # What a copy keeps, as torch's optimizers keep only defaults/state/param_groups:
     # hooks (often local functions), caches, the owning replica and an LR scheduler's
     # instance patch of ``step`` stay behind.
-    _PICKLED = ("_optimizer", "_reduction", "_group_assignment", "_bytes_per_pack", "_overlap", "_sharded")
+    _PICKLED = ("_optimizer", "_reduction", "name", "_group_assignment", "_bytes_per_pack", "_overlap", "_sharded")
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: self.__dict__[k] for k in self._PICKLED}
@@ -196,6 +201,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         state.setdefault("_overlap", False)
         state.setdefault("_sharded", None)
+        state.setdefault("name", canonical_name(None))
         self.__dict__.update(state)
         self._reset_runtime_state()
 

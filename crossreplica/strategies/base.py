@@ -22,14 +22,16 @@ from ..errors import ReplicaContextError, summarize
 from ..reduce_op import WIRE_DTYPES, ReduceOp, check_dtype, from_wire, reduce_non_distributed_value, to_wire
 from ..values import DistributedValues, Mirrored, regroup, select_replica
 from .buffers import check_policy
+from ..variables import Variable
 from .extended import StrategyExtended
 from .logical_devices import LogicalDeviceMethods
 from .steps import run_steps
+from .tf_compat import TFCompatMethods, check_gather_shapes
 
 __all__ = ["Strategy", "StrategyExtended"]
 
 
-class Strategy(LogicalDeviceMethods):
+class Strategy(LogicalDeviceMethods, TFCompatMethods):
     """Base of every distribution strategy."""
 
     extended: StrategyExtended
@@ -100,9 +102,9 @@ class Strategy(LogicalDeviceMethods):
                 f"inside a replica function use cr.all_reduce / cr.all_gather")
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
-        """The values held by this process's replicas, in local order."""
-        if isinstance(value, DistributedValues):
-            return value.values
+        """The values held by this process's replicas, in local order (a cr.Variable: its copies)."""
+        if isinstance(value, (DistributedValues, Variable)):
+            return tuple(value.values)
         leaves, _ = nest.flatten(value)
         if any(isinstance(v, DistributedValues) for v in leaves):
             return tuple(select_replica(i, value) for i in range(len(self.extended.worker_devices)))
@@ -184,6 +186,7 @@ class Strategy(LogicalDeviceMethods):
             if not isinstance(v, DistributedValues):
                 tensors = tensors * self.num_replicas_in_sync
                 return torch.cat(tensors, axis)
+            check_gather_shapes(self.extended, tensors, axis)
             return self.extended.gather_values(tensors, axis)
 
         return nest.map_structure(one, value)

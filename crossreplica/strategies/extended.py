@@ -32,9 +32,11 @@ from ..values import (
     select_replica_mirrored,
 )
 from .buffers import MirroredBuffers
+from ..variables import Variable
 from .logical_devices import LogicalDeviceExtended
 from .replica_threads import ReplicaThreads, raise_first_failure
 from .steps import MultiStepContext, run_steps_on_iterator
+from .tf_compat import TFCompatExtended, broadcast_to
 
 if TYPE_CHECKING:
     from .base import Strategy
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
 __all__ = ["StrategyExtended"]
 
 
-class StrategyExtended(LogicalDeviceExtended):
+class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
     """The strategy's machinery: devices, engine, replica threads, merge_call."""
 
     def __init__(self, container: "Strategy", devices: Sequence[torch.device], engine: Engine,
@@ -264,15 +266,17 @@ class StrategyExtended(LogicalDeviceExtended):
                                                        reducer=self)
 
     def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
-        """``tensor`` copied to every device of ``destinations`` (a Mirrored)."""
+        """``tensor`` copied to every device of ``destinations`` (a Mirrored, one distinct copy
+        per destination value); a Python number is returned as it is, as TF does."""
         self._require_cross_replica("broadcast_to")
         with self._container.scope():
-            return self._cross_device_ops.broadcast(tensor, destinations)
+            return broadcast_to(self._cross_device_ops, tensor, destinations)
 
     def update(self, var: Any, fn: Callable[..., Any], args: Sequence[Any] = (),
                kwargs: dict | None = None, group: bool = True) -> Any:
-        """Runs ``fn(v, *args, **kwargs)`` on every copy ``v`` of ``var`` (a Mirrored),
-        on its device, under ``torch.no_grad()``.
+        """Runs ``fn(v, *args, **kwargs)`` on every copy ``v`` of ``var`` (a Mirrored or a
+        cr.Variable), on its device, under ``torch.no_grad()``, in copy ``i``'s update context
+        (a cr.Variable used in ``fn`` is its copy ``i``, as in TF's UpdateContext).
 
         Distributed ``args``/``kwargs`` must be Mirrored; copy ``i`` gets their
         ``i``-th value. With ``group`` the results are regrouped (Mirrored where
@@ -289,18 +293,19 @@ class StrategyExtended(LogicalDeviceExtended):
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs must be a dict or None; got {summarize(kwargs)}")
         kwargs = kwargs or {}
-        copies = var.values if isinstance(var, DistributedValues) else (var,)
+        copies = var.values if isinstance(var, (DistributedValues, Variable)) else (var,)
         results = []
         with self._container.scope(), torch.no_grad():
             for i, v in enumerate(copies):
                 a = select_replica_mirrored(i, tuple(args))
                 kw = select_replica_mirrored(i, kwargs)
                 device = getattr(v, "device", None)
-                if device is not None and device.type == "cuda":
-                    with torch.cuda.device(device):
+                with context.update_context(self._container, i):
+                    if device is not None and device.type == "cuda":
+                        with torch.cuda.device(device):
+                            results.append(fn(v, *a, **kw))
+                    else:
                         results.append(fn(v, *a, **kw))
-                else:
-                    results.append(fn(v, *a, **kw))
         if not group:
             return tuple(results)
         return regroup(results, Mirrored)
