@@ -21,7 +21,7 @@ LAYERS: dict[str, int] = {
     "engines": 1,
     "context": 2,
     "collectives": 3,
-    "cross_device_ops": 4,
+    "cross_device_ops": 4, "replica_reduce": 4,
     "strategies": 5, "optim": 5, "data": 5, "input_shards": 5, "nn": 5, "checkpoint": 5, "variables": 5,
     "demo": 6, "cli": 6, "testing": 6,
     "__init__": 7, "__main__": 7,

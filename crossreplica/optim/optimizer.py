@@ -17,8 +17,6 @@ from ..arguments import check_int
 from ..collectives import all_gather
 from ..context import get_strategy, has_strategy, require_replica_context
 from ..cross_device_ops import CommunicationOptions
-from ..engines.base import INPLACE, Call, Kind
-from ..engines.wire import execute_on_wire
 from ..errors import summarize
 from ..groups import Groups, group_of, resolve_groups
 from ..packing import DEFAULT_BYTES_PER_PACK, PackedBuffers
@@ -30,6 +28,7 @@ from .arguments import (
     reduced_loss,
 )
 from .overlap import OverlappedReduction
+from .routing import all_reduce_buffers
 from .sharded import ShardedUpdate
 
 __all__ = ["DEFAULT_BYTES_PER_PACK", "CrossShardOptimizer"]
@@ -60,7 +59,8 @@ class CrossShardOptimizer(torch.optim.Optimizer):
             optimizer state, all-gather the parameters. Elementwise optimizers
             only; no closure, no ``weight``, no sparse gradients.
         communication_options: a ``cr.CommunicationOptions``; a non-zero
-            ``bytes_per_pack`` replaces the argument of that name.
+            ``bytes_per_pack`` replaces the argument of that name; ``timeout_seconds``
+            bounds each reduction (through the strategy's cross_device_ops, ``routing.py``).
 
     Raises:
         TypeError: ``optimizer`` is not a torch optimizer.
@@ -96,6 +96,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         self._group_assignment = group_assignment
         self._bytes_per_pack = bytes_per_pack
         self._overlap = overlap
+        self._communication_options = communication_options
         self._sharded = ShardedUpdate(optimizer) if shard_optimizer_state else None
         self._groups_cache: tuple[int, Groups] | None = None
         self._pack_cache: tuple[tuple, PackedBuffers] | None = None
@@ -188,7 +189,8 @@ class CrossShardOptimizer(torch.optim.Optimizer):
     # What a copy keeps, as torch's optimizers keep only defaults/state/param_groups:
     # hooks (often local functions), caches, the owning replica and an LR scheduler's
     # instance patch of ``step`` stay behind.
-    _PICKLED = ("_optimizer", "_reduction", "_group_assignment", "_bytes_per_pack", "_overlap", "_sharded")
+    _PICKLED = ("_optimizer", "_reduction", "_group_assignment", "_bytes_per_pack", "_overlap", "_sharded",
+                "_communication_options")
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: self.__dict__[k] for k in self._PICKLED}
@@ -196,6 +198,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         state.setdefault("_overlap", False)
         state.setdefault("_sharded", None)
+        state.setdefault("_communication_options", None)
         self.__dict__.update(state)
         self._reset_runtime_state()
 
@@ -208,7 +211,8 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         if self._overlap:
             params = list({id(p): p for g in self._optimizer.param_groups for p in g["params"]
                            if p.requires_grad}.values())
-            self._overlapped = OverlappedReduction(params, self._bytes_per_pack, self._reduction, self._groups)
+            self._overlapped = OverlappedReduction(params, self._bytes_per_pack, self._reduction, self._groups,
+                                                   self._communication_options)
         # The hook tables torch.optim.Optimizer.__init__ would create; the
         # parameters themselves stay with the wrapped optimizer.
         self._optimizer_step_pre_hooks = OrderedDict()
@@ -402,7 +406,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
             # is the same sum-then-divide, so bitwise the result of cr.all_reduce(g, "mean").
             op = ReduceOp.MEAN if self._reduction is ReduceOp.MEAN and not weighted else ReduceOp.SUM
             # In place: the packs and large gradients are this replica's own buffers.
-            outs = execute_on_wire(rctx.engine, rid, Call.of(Kind.ALL_REDUCE, groups, (op, INPLACE), buffers), buffers)
+            outs = all_reduce_buffers(rctx, groups, op, buffers, self._communication_options)
             if weighted:
                 total_weight = float(outs[-1].item())
                 outs = outs[:-1]
