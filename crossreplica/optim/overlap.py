@@ -126,9 +126,9 @@ class OverlappedReduction:
         rid = rctx.replica_id_in_sync_group
         if len(group_of(groups, rid)) == 1:
             return  # the identity: nothing to reduce
-        if not on_engine(rctx, groups, self._options):
-            return  # through the strategy's cross_device_ops, at step() (routing.py)
         if not self._queued:
+            if not on_engine(rctx, groups, self._options):
+                return  # through the strategy's cross_device_ops, at step() (routing.py)
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
         bucket = self._buckets[index]

@@ -199,11 +199,11 @@ class StrategyExtended(LogicalDeviceExtended):
 
     def cross_device_reduce(self, op: ReduceOp, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Reduces one tensor per local replica through the strategy's cross-device ops, onto
-        the first one's device (``strategy.reduce``)."""
+        the first one's device (``strategy.reduce``, cr.Variable aggregation)."""
+        xs = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t) for t in tensors]
         options = self.communication_options
         with self.collective_timeout(options.timeout_seconds if options is not None else None):
-            out = self.cross_device_ops.reduce(op, PerReplica(list(tensors)), tensors[0].device, options,
-                                               reducer=self)
+            out = self.cross_device_ops.reduce(op, PerReplica(xs), xs[0].device, options, reducer=self)
         return out.values[0]
 
     def reduce_values(self, op: ReduceOp, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
