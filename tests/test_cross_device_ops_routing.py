@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import crossreplica as cr
 import crossreplica.testing as crt
@@ -323,3 +324,51 @@ def test_communication_options_are_checked():
     s = cr.MirroredStrategy(2, devices=["cpu"] * 2)
     with pytest.raises(ValueError, match="options must be a cr.CommunicationOptions"):
         s.run(lambda: cr.get_replica_context().all_reduce("sum", torch.ones(1), options=5))
+
+
+# ------------------------------------------------------------------ options reach the ops
+
+class SeesOptions(cr.AllReduceCrossDeviceOps):
+    """The default's arithmetic (a subclass, so replica reductions take the merge_call path);
+    records the options every batch reduction gets."""
+
+    def __init__(self) -> None:
+        self.options: list = []
+
+    def batch_reduce_implementation(self, reduce_op, pairs, options, reducer):
+        self.options.append(options)
+        return super().batch_reduce_implementation(reduce_op, pairs, options, reducer)
+
+
+def _packed_all_reduce(xs):
+    opts = cr.CommunicationOptions(bytes_per_pack=16)
+    return cr.get_replica_context().all_reduce("sum", list(xs), options=opts)
+
+
+def test_bytes_per_pack_reaches_the_ops_batch_reduce():
+    ops = SeesOptions()
+    s = cr.MirroredStrategy(2, devices=["cpu"] * 2, cross_device_ops=ops)
+    xs = [[value_of(10 * r + i) for i in range(4)] for r in range(2)]
+    out = s.run(_packed_all_reduce, (cr.PerReplica(xs),))
+    assert [o.bytes_per_pack for o in ops.options] == [16]
+    for i, leaf in enumerate(out):
+        assert all(torch.equal(t, sequential([xs[0][i], xs[1][i]])) for t in leaf.values)
+
+
+def test_multi_worker_communication_options_are_the_default(monkeypatch):
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    ops = SeesOptions()
+    opts = cr.CommunicationOptions(bytes_per_pack=64, timeout_seconds=20)
+    s = cr.MultiWorkerMirroredStrategy(2, cross_device_ops=ops, communication_options=opts)
+    try:
+        assert s.extended.timeout == 20 and s.extended.cross_device_ops is ops
+        values = cr.PerReplica([value_of(0), value_of(1)])
+        s.extended.batch_reduce_to("sum", [(values, "cpu")])
+        out = s.run(_all_reduce, (values,))[0]
+        assert ops.options == [opts] * 3  # batch_reduce_to, then all_reduce's sum and mean
+        assert all(torch.equal(t, sequential(list(values.values))) for t in s.experimental_local_results(out))
+    finally:
+        s.close()
