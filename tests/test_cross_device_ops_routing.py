@@ -372,3 +372,20 @@ def test_multi_worker_communication_options_are_the_default(monkeypatch):
         assert all(torch.equal(t, sequential(list(values.values))) for t in s.experimental_local_results(out))
     finally:
         s.close()
+
+
+def _porting_step(x):
+    ctx = cr.get_replica_context()
+    options = cr.CommunicationOptions(timeout_seconds=30)
+    return ctx.all_reduce(cr.ReduceOp.SUM, x, options=options)
+
+
+def test_porting_guide_example_matches_plain_torch():
+    add_n = Counting()  # the guide's add_n, counted
+    strategy = cr.MirroredStrategy(4, devices=["cpu"] * 4,
+                                   cross_device_ops=cr.ReductionToOneDevice(accumulation_fn=add_n))
+    xs = [torch.full((3,), float(r)) for r in range(4)]
+    per_replica = strategy.run(_porting_step, args=(cr.PerReplica(xs),))
+    total = strategy.reduce(cr.ReduceOp.MEAN, per_replica, axis=None)
+    assert add_n.sizes == [4, 4]  # once in all_reduce, once in reduce
+    assert torch.equal(total, sequential([sequential(xs)] * 4) / 4)
