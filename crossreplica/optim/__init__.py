@@ -16,6 +16,12 @@ reduction is bitwise identical to reducing every gradient on its own.
 Sparse gradients (``nn.Embedding(sparse=True)``) are reduced by gathering
 every replica's indices and values and coalescing.
 
+Those packs are the engine's all-reduce when the strategy's cross_device_ops
+is the default ``AllReduceCrossDeviceOps`` (and no ``timeout_seconds`` is
+set); with other ops (``ReductionToOneDevice(accumulation_fn=f)``, a subclass)
+the same packs go through ``cross_device_ops.replica_all_reduce`` at ``step()``
+(``routing.py``), with the same numbers for ops that reduce in replica order.
+
 With a closure (``step(closure)``, required by LBFGS), the closure is handed
 to the wrapped optimizer wrapped so that every evaluation reduces the
 gradients it computed, and the loss it returned, before the optimizer sees
