@@ -390,7 +390,9 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
                            options: CommunicationOptions | None = None) -> Any:
         """The engine's all-reduce (``cr.all_reduce``), unless a subclass or a timeout
         needs the merge_call path; the same numbers either way."""
-        if self.replica_reductions_on_engine(_check_options(options)):
+        if options is not None:
+            _check_options(options)
+        if self.replica_reductions_on_engine(options):
             return engine_all_reduce(value, reduce_op)
         return super().replica_all_reduce(reduce_op, value, options)
 
