@@ -393,3 +393,24 @@ def test_porting_guide_example_matches_plain_torch():
     total = strategy.reduce(cr.ReduceOp.MEAN, per_replica, axis=None)
     assert add_n.sizes == [4, 4]  # once in all_reduce, once in reduce
     assert torch.equal(total, sequential([sequential(xs)] * 4) / 4)
+
+
+def _late_worker_main(base):
+    """In cross-replica context: the last worker comes late to a reduce_to bounded by SHORT."""
+    s = _like(base, Recording())
+    values = cr.PerReplica([torch.ones(2) * r for r in s.extended.local_replica_ids])
+    if s.extended.worker_rank == s.extended.num_workers - 1:
+        time.sleep(LATE)
+    start = time.monotonic()
+    try:
+        s.extended.reduce_to("sum", values, "cpu", options=cr.CommunicationOptions(timeout_seconds=SHORT))
+    except cr.errors.CollectiveTimeoutError as e:
+        return "timeout", time.monotonic() - start, e.missing
+    return "ok", time.monotonic() - start, ()
+
+
+@pytest.mark.multiprocess
+def test_timeout_seconds_bounds_a_late_worker_in_cross_replica_context():
+    first = crt.run_workers(_late_worker_main, 2, 2)[0]
+    kind, waited, missing = first
+    assert kind == "timeout" and set(missing) == {2, 3} and waited < LATE
