@@ -57,11 +57,13 @@ class ReplicaHost(Protocol):
         """Identifies the run in progress; a new run gets a new token."""
 
     def merge_call(self, rctx: "ReplicaContext", merge_fn: Callable[..., Any], args: tuple,
-                   kwargs: dict) -> Any:
+                   kwargs: dict, timeout: float | None = None) -> Any:
         """Runs ``merge_fn`` once for the local replicas (see ReplicaContext.merge_call)."""
 
-    def replica_all_reduce(self, rctx: "ReplicaContext", reduce_op: ReduceOp | str, value: Any) -> Any:
-        """``ReplicaContext.all_reduce``: reduces ``value`` over every replica in sync."""
+    def replica_all_reduce(self, rctx: "ReplicaContext", reduce_op: ReduceOp | str, value: Any,
+                           options: Any = None) -> Any:
+        """``ReplicaContext.all_reduce``: reduces ``value`` over every replica in sync,
+        through the strategy's cross-device ops."""
 
     def replica_all_gather(self, rctx: "ReplicaContext", value: Any, axis: int) -> Any:
         """``ReplicaContext.all_gather``: concatenates ``value`` over every replica in sync."""
@@ -242,9 +244,11 @@ class ReplicaContext:
     def local_index(self) -> int:
         return self._local_index
 
-    def all_reduce(self, reduce_op: ReduceOp | str, value: Any) -> Any:
-        """All-reduces a nest of tensors over every replica in sync."""
-        return self._host.replica_all_reduce(self, reduce_op, value)
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any, options: Any = None) -> Any:
+        """All-reduces a nest of tensors over every replica in sync through the strategy's
+        ``cross_device_ops`` (``options``: a ``cr.CommunicationOptions``; its
+        ``timeout_seconds`` bounds the wait for the other replicas)."""
+        return self._host.replica_all_reduce(self, reduce_op, value, options)
 
     def all_gather(self, value: Any, axis: int) -> Any:
         """Concatenates every replica's ``value`` along ``axis`` (replica order)."""

@@ -22,6 +22,15 @@ processes), so a cross-device reduction equals the sequential
 * :class:`AllReduceCrossDeviceOps` (the default) reduces each value with the
   strategy's all-reduce; ``batch_reduce`` packs small tensors of one dtype and
   device into flat buffers first, so many small reductions become one.
+
+Every cross-device reduction of a strategy goes through its ops: ``reduce_to``
+and ``batch_reduce_to``, ``strategy.reduce``, and, in a replica context,
+``ReplicaContext.all_reduce`` and CrossShardOptimizer's gradients
+(:meth:`CrossDeviceOps.replica_all_reduce`, a merge_call; ``replica_reduce.py``).
+Only the exact default lets replica-context reductions run straight on the
+engine (:meth:`CrossDeviceOps.replica_reductions_on_engine`), with the same
+numbers. The TPU-style collectives (``cr.all_reduce``, ``cr.cross_replica_sum``,
+group assignments) always go to the engine.
 """
 
 from __future__ import annotations
@@ -35,12 +44,14 @@ import torch
 
 from . import context
 from .arguments import check_int
+from .collectives import all_reduce as engine_all_reduce
 from .devices import canonical_device
 from .packing import DEFAULT_BYTES_PER_PACK, flatten_pack, plan_packs
 from .timeouts import canonical_timeout
 from .reduce_op import ReduceOp, check_dtype, reduce_non_distributed_value
 from .values import DistributedValues, Mirrored
 from .errors import summarize
+from .replica_reduce import all_reduce_in_replica
 
 __all__ = [
     "CommunicationOptions",
@@ -58,8 +69,10 @@ class CommunicationOptions:
     Args:
         bytes_per_pack: the most bytes fused into one pack by ``batch_reduce``;
             0 lets the implementation choose.
-        timeout_seconds: give up on a collective after this long (None: the
-            strategy's timeout).
+        timeout_seconds: how long a reduction waits for the other replicas before
+            raising CollectiveTimeoutError naming them (None: the strategy's
+            timeout). In a replica context it bounds the replicas' meeting and
+            the cross-process reduction; in cross-replica context the latter.
     """
 
     __slots__ = ("bytes_per_pack", "timeout_seconds")
@@ -144,6 +157,10 @@ class Reducer(Protocol):
 
     def reduce_values(self, op: ReduceOp, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Reduces one tensor per local replica over every replica in sync, in replica order."""
+        ...
+
+    def gather_values(self, tensors: Sequence[torch.Tensor], axis: int) -> torch.Tensor:
+        """Concatenates one tensor per local replica over every replica in sync, in replica order."""
         ...
 
 
@@ -257,6 +274,23 @@ class CrossDeviceOps:
         devices = get_devices_from(destinations)
         return _copies(_as_tensor(tensor, "tensor"), devices, fresh=False)
 
+    def replica_all_reduce(self, reduce_op: ReduceOp | str, value: Any,
+                           options: CommunicationOptions | None = None) -> Any:
+        """Reduces ``value`` (a tensor, number or nest) over every replica in sync; called by
+        every replica in a replica context, each getting the result (TF's ``_all_reduce``).
+
+        The replicas meet in ``merge_call`` (within ``options.timeout_seconds``), where
+        :meth:`batch_reduce` reduces their values; differentiable for SUM and MEAN.
+        """
+        op = ReduceOp.from_any(reduce_op, "reduce_op")
+        return all_reduce_in_replica(self, op, value, _check_options(options) if options is not None else None)
+
+    def replica_reductions_on_engine(self, options: CommunicationOptions | None = None) -> bool:
+        """Whether replica-context reductions may skip :meth:`replica_all_reduce` and run as
+        engine all-reduces (CrossShardOptimizer's fused and overlapped paths): only for
+        ops whose arithmetic is the engine's, and no ``timeout_seconds``."""
+        return False
+
     # ---------------------------------------------------------------- to implement
 
     def reduce_implementation(self, reduce_op: ReduceOp, values: list[torch.Tensor],
@@ -307,8 +341,12 @@ class ReductionToOneDevice(CrossDeviceOps):
 
     Args:
         reduce_to_device: where to reduce; None is the first destination device.
-        accumulation_fn: ``fn(list_of_tensors) -> tensor`` that sums (SUM and
-            MEAN only; MEAN then divides by the count). None sums in replica order.
+        accumulation_fn: ``fn(list_of_tensors) -> tensor`` that sums (TF's
+            ``add_n``), called on every SUM and MEAN reduction (MEAN then divides
+            by the count) with every replica's value in replica order, in scope
+            or not; across processes the values are first gathered from every
+            worker. None sums in replica order (the strategy's reduction).
+            MAX, MIN and PROD use the strategy's reduction.
     """
 
     def __init__(self, reduce_to_device: Any = None,
@@ -325,8 +363,11 @@ class ReductionToOneDevice(CrossDeviceOps):
                               reducer: Reducer) -> Mirrored:
         target = self.reduce_to_device or devices[0]
         local = [v.to(target) for v in values]
-        if self.accumulation_fn is not None and reduce_op in (ReduceOp.SUM, ReduceOp.MEAN) \
-                and reducer.num_replicas_in_sync == len(local):
+        if self.accumulation_fn is not None and reduce_op in (ReduceOp.SUM, ReduceOp.MEAN):
+            if reducer.num_replicas_in_sync > len(local):
+                # Other workers hold the other values: every worker gathers them all, in
+                # replica order, and accumulates them on its reduce_to_device.
+                local = [v.to(target) for v in reducer.gather_values([v.unsqueeze(0) for v in local], 0)]
             out = self.accumulation_fn(local)
             if not isinstance(out, torch.Tensor):
                 raise ValueError(
@@ -354,6 +395,20 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
                               devices: tuple[torch.device, ...], options: CommunicationOptions | None,
                               reducer: Reducer) -> Mirrored:
         return _copies(reducer.reduce_values(reduce_op, values), devices)
+
+    def replica_reductions_on_engine(self, options: CommunicationOptions | None = None) -> bool:
+        # A subclass may change the arithmetic: only this class is the engine's all-reduce.
+        return type(self) is AllReduceCrossDeviceOps and (options is None or options.timeout_seconds is None)
+
+    def replica_all_reduce(self, reduce_op: ReduceOp | str, value: Any,
+                           options: CommunicationOptions | None = None) -> Any:
+        """The engine's all-reduce (``cr.all_reduce``), unless a subclass or a timeout
+        needs the merge_call path; the same numbers either way."""
+        if options is not None:
+            _check_options(options)
+        if self.replica_reductions_on_engine(options):
+            return engine_all_reduce(value, reduce_op)
+        return super().replica_all_reduce(reduce_op, value, options)
 
     def batch_reduce_implementation(self, reduce_op: ReduceOp,
                                     pairs: list[tuple[list[torch.Tensor], tuple[torch.device, ...]]],

@@ -244,7 +244,7 @@ class Variable:
         with torch.no_grad():
             if self._agg is VariableAggregation.ONLY_FIRST_REPLICA:
                 return ext.broadcast_values(list(self._copies))
-            return ext.reduce_values(_OPS[self._agg], list(self._copies))
+            return ext.cross_device_reduce(_OPS[self._agg], list(self._copies))
 
     def read_value(self) -> torch.Tensor:
         """A snapshot of ``value()`` (later updates do not change it)."""
@@ -422,7 +422,7 @@ def _merge_update(var: Variable, kind: str, argname: str, strategy: Any, value: 
     local = list(value.values) if isinstance(value, DistributedValues) else [value] * len(var.values)
     agg = var.aggregation
     if agg in _OPS:
-        new = ext.reduce_values(_OPS[agg], local)
+        new = ext.cross_device_reduce(_OPS[agg], local)
     elif agg is VariableAggregation.ONLY_FIRST_REPLICA:
         new = ext.broadcast_values(local)
     else:

@@ -19,6 +19,12 @@ of the sparse tensors (one gather of every replica's indices and values): the
 result is coalesced, and bitwise the dense gradient's reduction (see
 docs/collectives.md, "Sparse values").
 
+Those packs are the engine's all-reduce when the strategy's cross_device_ops
+is the default ``AllReduceCrossDeviceOps`` (and no ``timeout_seconds`` is
+set); with other ops (``ReductionToOneDevice(accumulation_fn=f)``, a subclass)
+the same packs go through ``cross_device_ops.replica_all_reduce`` at ``step()``
+(``routing.py``), with the same numbers for ops that reduce in replica order.
+
 With a closure (``step(closure)``, required by LBFGS), the closure is handed
 to the wrapped optimizer wrapped so that every evaluation reduces the
 gradients it computed, and the loss it returned, before the optimizer sees

@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import Any, cast
+from typing import Any
 from collections.abc import Callable
 
 import torch
 
 from ..arguments import check_int
-from ..collectives import all_reduce
 from ..context import get_strategy, has_strategy, require_replica_context
 from ..cross_device_ops import CommunicationOptions
-from ..engines.base import INPLACE, Call, Kind
-from ..engines.wire import execute_on_wire
 from ..errors import summarize
 from ..groups import Groups, group_of, resolve_groups
 from ..packing import DEFAULT_BYTES_PER_PACK, PackedBuffers
@@ -32,6 +29,7 @@ from .arguments import (
     reduced_loss,
 )
 from .overlap import OverlappedReduction
+from .routing import all_reduce_buffers, reduce_sparse_grads
 from .sharded import ShardedUpdate
 
 __all__ = ["DEFAULT_BYTES_PER_PACK", "CrossShardOptimizer"]
@@ -64,7 +62,8 @@ class CrossShardOptimizer(torch.optim.Optimizer):
             optimizer state, all-gather the parameters. Elementwise optimizers
             only; no closure, no ``weight``, no sparse gradients.
         communication_options: a ``cr.CommunicationOptions``; a non-zero
-            ``bytes_per_pack`` replaces the argument of that name.
+            ``bytes_per_pack`` replaces the argument of that name; ``timeout_seconds``
+            bounds each reduction (through the strategy's cross_device_ops, ``routing.py``).
 
     Raises:
         TypeError: ``optimizer`` is not a torch optimizer.
@@ -102,6 +101,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         self._group_assignment = group_assignment
         self._bytes_per_pack = bytes_per_pack
         self._overlap = overlap
+        self._communication_options = communication_options
         self._sharded = ShardedUpdate(optimizer) if shard_optimizer_state else None
         self._groups_cache: tuple[int, Groups] | None = None
         self._pack_cache: tuple[tuple, PackedBuffers] | None = None
@@ -193,7 +193,8 @@ class CrossShardOptimizer(torch.optim.Optimizer):
     # What a copy keeps, as torch's optimizers keep only defaults/state/param_groups:
     # hooks (often local functions), caches, the owning replica and an LR scheduler's
     # instance patch of ``step`` stay behind.
-    _PICKLED = ("_optimizer", "_reduction", "name", "_group_assignment", "_bytes_per_pack", "_overlap", "_sharded")
+    _PICKLED = ("_optimizer", "_reduction", "name", "_group_assignment", "_bytes_per_pack", "_overlap", "_sharded",
+                "_communication_options")
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: self.__dict__[k] for k in self._PICKLED}
@@ -202,6 +203,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         state.setdefault("_overlap", False)
         state.setdefault("_sharded", None)
         state.setdefault("name", canonical_name(None))
+        state.setdefault("_communication_options", None)
         self.__dict__.update(state)
         self._reset_runtime_state()
 
@@ -214,7 +216,8 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         if self._overlap:
             params = list({id(p): p for g in self._optimizer.param_groups for p in g["params"]
                            if p.requires_grad}.values())
-            self._overlapped = OverlappedReduction(params, self._bytes_per_pack, self._reduction, self._groups)
+            self._overlapped = OverlappedReduction(params, self._bytes_per_pack, self._reduction, self._groups,
+                                                   self._communication_options)
         # The hook tables torch.optim.Optimizer.__init__ would create; the
         # parameters themselves stay with the wrapped optimizer.
         self._optimizer_step_pre_hooks = OrderedDict()
@@ -414,7 +417,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
             # is the same sum-then-divide, so bitwise the result of cr.all_reduce(g, "mean").
             op = ReduceOp.MEAN if self._reduction is ReduceOp.MEAN and not weighted else ReduceOp.SUM
             # In place: the packs and large gradients are this replica's own buffers.
-            outs = execute_on_wire(rctx.engine, rid, Call.of(Kind.ALL_REDUCE, groups, (op, INPLACE), buffers), buffers)
+            outs = all_reduce_buffers(rctx, groups, op, buffers, self._communication_options)
             if weighted:
                 total_weight = float(outs[-1].item())
                 outs = outs[:-1]
@@ -430,22 +433,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
             if packed is not None:
                 packed.unpack_(outs, grads)
         if sparse:
-            self._reduce_sparse(rctx, groups, sparse, w if weighted else None,
+            reduce_sparse_grads(groups, sparse, w if weighted else None,
                                 total_weight if weighted else
                                 (group_size if self._reduction is ReduceOp.MEAN else None))
         return loss
-
-    def _reduce_sparse(self, rctx: Any, groups: Groups, params: list[torch.Tensor], w: float | None,
-                       divisor: float | None) -> None:
-        """Sparse gradients: summed by cr.all_reduce (one gather, coalesced, in replica order,
-        bitwise the dense sum of the dense views), then divided as the dense packs are."""
-        grads = []
-        for p in params:
-            g = cast(torch.Tensor, p.grad).detach()  # _collect chose params whose grad is sparse
-            if w is not None:
-                g = g.coalesce()
-                values = g._values() * w if w > 0 else torch.zeros_like(g._values())  # 0 * nan is nan
-                g = torch.sparse_coo_tensor(g._indices(), values, g.shape, is_coalesced=True, check_invariants=False)
-            grads.append(g)
-        for p, g in zip(params, all_reduce(grads, ReduceOp.SUM, groups)):
-            p.grad = g / divisor if divisor is not None else g

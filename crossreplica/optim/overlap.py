@@ -45,6 +45,7 @@ from ..engines.base import INPLACE, Call, Kind, Pending
 from ..engines.wire import start_on_wire
 from ..groups import Groups, group_of
 from ..reduce_op import ReduceOp
+from .routing import on_engine
 
 __all__ = ["OverlappedReduction"]
 
@@ -67,9 +68,10 @@ class OverlappedReduction:
     """The buckets and hooks of one CrossShardOptimizer; see the module docstring."""
 
     def __init__(self, params: list[torch.Tensor], bucket_bytes: int, op: ReduceOp,
-                 groups_of: Any):
+                 groups_of: Any, options: Any = None):
         self.op = ReduceOp.MEAN if op is ReduceOp.MEAN else ReduceOp.SUM
         self._groups_of = groups_of  # num_replicas -> Groups (the optimizer's cache)
+        self._options = options  # the optimizer's CommunicationOptions (routing.py)
         self.enabled = True
         #: ids of the parameters whose gradient was reduced since the optimizer last reduced
         self.reduced: set[int] = set()
@@ -125,6 +127,8 @@ class OverlappedReduction:
         if len(group_of(groups, rid)) == 1:
             return  # the identity: nothing to reduce
         if not self._queued:
+            if not on_engine(rctx, groups, self._options):
+                return  # through the strategy's cross_device_ops, at step() (routing.py)
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
         bucket = self._buckets[index]

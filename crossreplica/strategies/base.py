@@ -115,7 +115,8 @@ class Strategy(LogicalDeviceMethods, TFCompatMethods):
 
         With ``axis``, each replica's tensor is first reduced along it too; MEAN
         then divides by the total number of elements along ``axis`` on every
-        replica, so uneven per-replica batches give the exact global mean.
+        replica, so uneven per-replica batches give the exact global mean. The
+        reduction across replicas is the strategy's ``cross_device_ops``'.
         """
         self._require_cross_replica("reduce")
         self._check_distributed(("value", value))
@@ -150,15 +151,15 @@ class Strategy(LogicalDeviceMethods, TFCompatMethods):
             return self._reduce_along(op, tensors, axis, None, distributed)
         if not distributed:
             return reduce_non_distributed_value(op, tensors[0], self.num_replicas_in_sync)
-        return self.extended.reduce_values(op, tensors)
+        return self.extended.cross_device_reduce(op, tensors)
 
     def _reduce_along(self, op: ReduceOp, tensors: list[torch.Tensor], axis: int,
                       dtype: torch.dtype | None, distributed: bool) -> Any:
         """``reduce`` with ``axis``: each replica's tensor along ``axis`` (in ``dtype`` when
         given), then across replicas; MEAN divides by the total count along ``axis``."""
         if op is ReduceOp.MEAN:
-            total = self.extended.reduce_values(ReduceOp.SUM, [t.sum(axis, dtype=dtype) for t in tensors])
-            count = self.extended.reduce_values(
+            total = self.extended.cross_device_reduce(ReduceOp.SUM, [t.sum(axis, dtype=dtype) for t in tensors])
+            count = self.extended.cross_device_reduce(
                 ReduceOp.SUM, [torch.tensor(t.shape[axis] if t.dim() else 1) for t in tensors])
             return total / count.to(total.device)
         local = {ReduceOp.SUM: lambda t: t.sum(axis, dtype=dtype), ReduceOp.MAX: lambda t: t.amax(axis),
@@ -166,7 +167,7 @@ class Strategy(LogicalDeviceMethods, TFCompatMethods):
         tensors = [local(t) for t in tensors]
         if not distributed:
             return reduce_non_distributed_value(op, tensors[0], self.num_replicas_in_sync)
-        return self.extended.reduce_values(op, tensors)
+        return self.extended.cross_device_reduce(op, tensors)
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenates every replica's value along ``axis`` (replica order)."""

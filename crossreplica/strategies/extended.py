@@ -10,15 +10,16 @@ cross-device ops' ``Reducer`` interfaces.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import TYPE_CHECKING, Any
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from .. import collectives, context, torch_state
 from ..context import ReplicaContext
-from ..cross_device_ops import AllReduceCrossDeviceOps, CrossDeviceOps
+from ..cross_device_ops import AllReduceCrossDeviceOps, CommunicationOptions, CrossDeviceOps
 from ..engines.base import MERGE_CALL, Engine, check_agreement
 from ..engines.reduction import reduce_into
 from ..engines.sparse import reduce_coo_tensors
@@ -27,6 +28,7 @@ from ..reduce_op import ReduceOp, from_wire, to_wire
 from ..values import (
     DistributedValues,
     Mirrored,
+    PerReplica,
     regroup,
     select_replica,
     select_replica_mirrored,
@@ -56,7 +58,12 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
             raise ValueError(
                 f"cross_device_ops must be a cr.CrossDeviceOps (e.g. cr.ReductionToOneDevice() or "
                 f"cr.AllReduceCrossDeviceOps()) or None; got {summarize(cross_device_ops)}")
-        self.cross_device_ops = cross_device_ops
+        #: every cross-device reduction of the strategy goes through these ops (docs/collectives.md)
+        self.cross_device_ops: CrossDeviceOps = (AllReduceCrossDeviceOps() if cross_device_ops is None
+                                                 else cross_device_ops)
+        #: the options a reduction uses when it is given none (MultiWorkerMirroredStrategy's
+        #: ``communication_options``)
+        self.communication_options: CommunicationOptions | None = None
         n = len(self.worker_devices)
         self._running = False
         self._run_token: object = None
@@ -162,8 +169,9 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
         return results
 
     def merge_call(self, rctx: ReplicaContext, merge_fn: Callable[..., Any], args: tuple,
-                   kwargs: dict) -> Any:
-        """Pauses the local replicas, runs ``merge_fn`` once in cross-replica context."""
+                   kwargs: dict, timeout: float | None = None) -> Any:
+        """Pauses the local replicas, runs ``merge_fn`` once in cross-replica context; the
+        replicas wait for each other at most ``timeout`` seconds (None: the engine's)."""
         strategy = self._container
         rctx.check_current("merge_call")
 
@@ -176,18 +184,39 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
                 return payloads[0][0](strategy, *merge_args, **merge_kwargs)
 
         result = self.engine.exchange_objects(rctx.replica_id_in_sync_group, MERGE_CALL,
-                                              (merge_fn, args, kwargs), lead)
+                                              (merge_fn, args, kwargs), lead, timeout)
         return select_replica(rctx.local_index, result)
 
-    def replica_all_reduce(self, rctx: ReplicaContext, reduce_op: ReduceOp | str, value: Any) -> Any:
-        """``ReplicaContext.all_reduce``: every replica in sync, through the engine."""
-        return collectives.all_reduce(value, reduce_op)
+    def replica_all_reduce(self, rctx: ReplicaContext, reduce_op: ReduceOp | str, value: Any,
+                           options: Any = None) -> Any:
+        """``ReplicaContext.all_reduce``: every replica in sync, through the strategy's
+        cross-device ops (the default's is the engine's all-reduce)."""
+        return self.cross_device_ops.replica_all_reduce(reduce_op, value, self.resolve_options(options))
 
     def replica_all_gather(self, rctx: ReplicaContext, value: Any, axis: int) -> Any:
         """``ReplicaContext.all_gather``: every replica in sync, in replica order."""
         return collectives.all_gather(value, axis)
 
     # ------------------------------------------------------------ cross-replica hooks
+
+    def resolve_options(self, options: Any) -> Any:
+        """``options``, or the strategy's default communication options when None."""
+        return self.communication_options if options is None else options
+
+    @contextlib.contextmanager
+    def collective_timeout(self, seconds: float | None) -> Iterator[None]:
+        """Bounds the cross-process waits of the reductions inside by ``seconds`` (None: the
+        engine's timeout). In-process there are none: the caller holds every value."""
+        yield
+
+    def cross_device_reduce(self, op: ReduceOp, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Reduces one tensor per local replica through the strategy's cross-device ops, onto
+        the first one's device (``strategy.reduce``, cr.Variable aggregation)."""
+        xs = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t) for t in tensors]
+        options = self.communication_options
+        with self.collective_timeout(options.timeout_seconds if options is not None else None):
+            out = self.cross_device_ops.reduce(op, PerReplica(xs), xs[0].device, options, reducer=self)
+        return out.values[0]
 
     def reduce_values(self, op: ReduceOp, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Reduces one tensor per local replica (in local order) over all replicas in sync."""
@@ -235,9 +264,11 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
 
     @property
     def _cross_device_ops(self) -> CrossDeviceOps:
-        if self.cross_device_ops is None:
-            self.cross_device_ops = AllReduceCrossDeviceOps()
         return self.cross_device_ops
+
+    def _reducing(self, options: Any) -> contextlib.AbstractContextManager[None]:
+        timeout = getattr(options, "timeout_seconds", None)
+        return self.collective_timeout(timeout)
 
     def _require_cross_replica(self, api: str) -> None:
         if context.get_replica_context() is not None:
@@ -254,14 +285,16 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
         not distributed is the same on every replica (reduce_non_distributed_value).
         """
         self._require_cross_replica("reduce_to")
-        with self._container.scope():
+        options = self.resolve_options(options)
+        with self._container.scope(), self._reducing(options):
             return self._cross_device_ops.reduce(reduce_op, value, destinations, options, reducer=self)
 
     def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[Any],
                         options: Any = None) -> list[Any]:
         """Reduces each ``(value, destinations)`` pair; small tensors travel packed."""
         self._require_cross_replica("batch_reduce_to")
-        with self._container.scope():
+        options = self.resolve_options(options)
+        with self._container.scope(), self._reducing(options):
             return self._cross_device_ops.batch_reduce(reduce_op, value_destination_pairs, options,
                                                        reducer=self)
 

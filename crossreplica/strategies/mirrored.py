@@ -31,8 +31,10 @@ class MirroredStrategy(Strategy):
         devices: one device per replica; several replicas may share a device
             (``["cpu"] * 4``). Defaults to the visible GPUs (round-robin when
             there are more replicas than GPUs), else the CPU.
-        cross_device_ops: how cross-replica reductions are done in cross-replica
-            context (default: ``AllReduceCrossDeviceOps``).
+        cross_device_ops: how every cross-device reduction of the strategy is done
+            (``strategy.reduce``, ``extended.reduce_to``, ``ReplicaContext.all_reduce``,
+            CrossShardOptimizer; default ``AllReduceCrossDeviceOps``); see
+            docs/collectives.md.
         timeout_seconds: how long a collective waits for missing replicas
             before raising CollectiveTimeoutError (env CROSSREPLICA_TIMEOUT,
             default 300); a finite number of seconds up to a week.

@@ -17,19 +17,21 @@ Layer: strategies (layer 5); see docs/architecture.md.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import os
 import socket
 import warnings
 from typing import Any
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .. import nest
 from ..arguments import check_int
+from ..cross_device_ops import CommunicationOptions
 from ..devices import canonical_device
 from ..engines.base import DEFAULT_TIMEOUT, Call, Kind
 from ..engines.hierarchical import HierarchicalEngine
@@ -127,6 +129,12 @@ class MultiWorkerExtended(StrategyExtended):
     def is_chief(self) -> bool:
         """True on the worker that holds replica 0 (it writes checkpoints)."""
         return self.engine.rank == 0
+
+    @contextlib.contextmanager
+    def collective_timeout(self, seconds: float | None) -> Iterator[None]:
+        """Bounds the cross-process waits inside by ``seconds`` (None: the engine's timeout)."""
+        with self.engine.timeout_override(seconds):
+            yield
 
     def _world(self) -> Groups:
         return (tuple(range(self.engine.num_replicas)),)
@@ -236,13 +244,24 @@ class MultiWorkerMirroredStrategy(Strategy):
         logical_devices_per_replica: devices each local replica owns (model
             parallelism inside a replica): ``devices`` then lists ``k`` per replica,
             consecutive; the default takes CUDA devices ``LOCAL_RANK * r * k + j``.
+        cross_device_ops: how every cross-device reduction is done (default
+            ``cr.AllReduceCrossDeviceOps()``; see docs/collectives.md).
+        communication_options: a ``cr.CommunicationOptions``, as TF's argument of that
+            name: the options of every reduction given none. Its ``timeout_seconds``
+            is also the strategy's timeout when ``timeout_seconds`` is not given.
     """
 
     def __init__(self, replicas_per_worker: int = 1, backend: str | None = None,
                  timeout_seconds: float | None = None, *, devices: Sequence[Any] | None = None,
                  check_collectives: bool | None = None, cross_device_ops: Any = None,
-                 ordered_reductions: bool = True, logical_devices_per_replica: int = 1):
+                 ordered_reductions: bool = True, logical_devices_per_replica: int = 1,
+                 communication_options: CommunicationOptions | None = None):
         check_int(replicas_per_worker, "replicas_per_worker", low=1)
+        if communication_options is not None and not isinstance(communication_options, CommunicationOptions):
+            raise ValueError(f"communication_options must be a cr.CommunicationOptions or None; got "
+                             f"{summarize(communication_options)}")
+        if timeout_seconds is None and communication_options is not None:
+            timeout_seconds = communication_options.timeout_seconds
         k = check_int(logical_devices_per_replica, "logical_devices_per_replica", low=1)
         if backend is not None and backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {list(_BACKENDS)} or None (automatic); got {summarize(backend)}")
@@ -267,6 +286,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         engine = engine_cls(devs, timeout, check_collectives=bool(check_collectives), comm_device=comm,
                             ordered_reductions=bool(ordered_reductions))
         self.extended = MultiWorkerExtended(self, devs, engine, cross_device_ops)
+        self.extended.communication_options = communication_options
         self.extended.set_logical_devices(groups)
         if str(dist.get_backend()) == "nccl":
             engine.barrier("set-up")  # creates the communicators with every rank present

@@ -16,7 +16,8 @@ raising replica elsewhere) rather than meeting the wrong call on another worker.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -82,6 +83,20 @@ class TorchDistEngine(Engine):
     @property
     def timeout(self) -> float:
         return self._timeout
+
+    @contextlib.contextmanager
+    def timeout_override(self, seconds: float | None) -> Iterator[None]:
+        """Bounds the cross-process waits inside by ``seconds`` instead of the timeout (a
+        reduction's ``CommunicationOptions.timeout_seconds``). For the one thread that
+        makes this worker's cross-process calls; NCCL keeps the process group's timeout."""
+        if seconds is None:
+            yield
+            return
+        saved, self.watchdog.timeout = self.watchdog.timeout, float(seconds)
+        try:
+            yield
+        finally:
+            self.watchdog.timeout = saved
 
     @property
     def broken(self) -> BaseException | None:

@@ -1,0 +1,67 @@
+"""Where CrossShardOptimizer's gradient reductions go: the engine, or the strategy's CrossDeviceOps.
+
+The fused packs (``optimizer.py``) and the overlapped buckets (``overlap.py``)
+are in-place engine all-reduces of flat buffers. With the exact default
+``AllReduceCrossDeviceOps`` and no ``timeout_seconds`` that is what the ops
+would compute anyway (both reduce in replica order), so the optimizer keeps that
+fast path. With any other ops (``ReductionToOneDevice(accumulation_fn=f)``, a
+subclass) or a timeout, the overlap hooks leave the gradients alone and
+``step()`` hands the same packs to ``cross_device_ops.replica_all_reduce`` (one
+merge_call), copying the results back in place. A ``group_assignment`` other
+than every replica is the TPU-style ``cross_replica_sum``: always the engine.
+
+Layer: strategies (layer 5); see docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+
+from ..collectives import all_reduce
+from ..context import ReplicaContext
+from ..engines.base import INPLACE, Call, Kind
+from ..engines.wire import execute_on_wire
+from ..groups import Groups
+from ..reduce_op import ReduceOp
+
+__all__ = ["all_reduce_buffers", "on_engine", "reduce_sparse_grads"]
+
+
+def on_engine(rctx: ReplicaContext, groups: Groups, options: Any) -> bool:
+    """Whether the gradients of this replica's group go straight to the engine."""
+    if len(groups) > 1:
+        return True
+    ext = rctx.strategy.extended
+    cdo = getattr(ext, "cross_device_ops", None)
+    return cdo is None or bool(cdo.replica_reductions_on_engine(ext.resolve_options(options)))
+
+
+def all_reduce_buffers(rctx: ReplicaContext, groups: Groups, op: ReduceOp, buffers: list[torch.Tensor],
+                       options: Any) -> list[torch.Tensor]:
+    """Reduces ``buffers`` (this replica's own) in place over its group; returns them."""
+    if on_engine(rctx, groups, options):
+        call = Call.of(Kind.ALL_REDUCE, groups, (op, INPLACE), buffers)
+        return execute_on_wire(rctx.engine, rctx.replica_id_in_sync_group, call, buffers)
+    ext = rctx.strategy.extended
+    outs = ext.cross_device_ops.replica_all_reduce(op, buffers, ext.resolve_options(options))
+    with torch.no_grad():
+        torch._foreach_copy_(buffers, outs)
+    return buffers
+
+
+def reduce_sparse_grads(groups: Groups, params: list[torch.Tensor], w: float | None,
+                        divisor: float | None) -> None:
+    """Sparse gradients: summed by cr.all_reduce (one gather, coalesced, in replica order,
+    bitwise the dense sum of the dense views), then divided as the dense packs are."""
+    grads = []
+    for p in params:
+        g = cast(torch.Tensor, p.grad).detach()  # _collect chose params whose grad is sparse
+        if w is not None:
+            g = g.coalesce()
+            values = g._values() * w if w > 0 else torch.zeros_like(g._values())  # 0 * nan is nan
+            g = torch.sparse_coo_tensor(g._indices(), values, g.shape, is_coalesced=True, check_invariants=False)
+        grads.append(g)
+    for p, g in zip(params, all_reduce(grads, ReduceOp.SUM, groups)):
+        p.grad = g / divisor if divisor is not None else g
