@@ -26,7 +26,7 @@ from .errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAbor
 from .timeouts import canonical_timeout
 
 __all__ = ["LOGGER_NAME", "SLOW_SECONDS_ENV", "ConfigurationWarning", "CrossReplicaWarning",
-           "SharedModuleWarning", "UnevenBatchWarning", "replica_failed", "report", "slow_seconds"]
+           "SharedModuleWarning", "replica_failed", "report", "slow_seconds"]
 
 #: The root of the library's loggers.
 LOGGER_NAME = "crossreplica"
@@ -87,11 +87,6 @@ class CrossReplicaWarning(UserWarning):
     """Base of the warnings crossreplica issues for code that runs but is probably wrong."""
 
 
-class UnevenBatchWarning(CrossReplicaWarning):
-    """A global batch does not divide evenly over the replicas (an unweighted mean of
-    per-replica means is then not the global mean)."""
-
-
 class SharedModuleWarning(CrossReplicaWarning):
     """Several replicas of one process were handed the same module with trainable
     parameters (they would race on its gradients); ``strategy.mirror`` it instead."""
@@ -99,4 +94,5 @@ class SharedModuleWarning(CrossReplicaWarning):
 
 class ConfigurationWarning(CrossReplicaWarning):
     """A setting that is not what it looks like: an unrecognised value treated as the
-    default, or a set-up that works but is unsafe."""
+    default, an argument that an existing set-up overrides, or a set-up that works but
+    is unsafe."""

@@ -246,6 +246,11 @@ class MultiWorkerMirroredStrategy(Strategy):
         k = check_int(logical_devices_per_replica, "logical_devices_per_replica", low=1)
         if backend is not None and backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {list(_BACKENDS)} or None (automatic); got {summarize(backend)}")
+        if backend is not None and dist.is_available() and dist.is_initialized() and dist.get_backend() != backend:
+            warnings.warn(f"backend={backend!r} is ignored: the process group already exists with backend "
+                          f"{dist.get_backend()!r}; leave backend out, or create the process group with the "
+                          f"backend you want", ConfigurationWarning, stacklevel=2)
+            backend = str(dist.get_backend())
         timeout = (canonical_timeout(DEFAULT_TIMEOUT, "CROSSREPLICA_TIMEOUT") if timeout_seconds is None
                    else canonical_timeout(timeout_seconds, "timeout_seconds"))
         if check_collectives is None:
