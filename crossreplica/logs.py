@@ -68,7 +68,8 @@ def report(logger: logging.Logger, level: int, exc: BaseException, what: str = "
         exc._crossreplica_logged = True  # type: ignore[attr-defined]
     except AttributeError:  # an exception type with __slots__: may be logged twice
         pass
-    logger.log(level, "%s%s: %s", what, type(exc).__name__, exc)
+    # The message, not the exception: a kept record must not keep the failed run's frames alive.
+    logger.log(level, "%s%s: %s", what, type(exc).__name__, str(exc))
 
 
 def replica_failed(logger: logging.Logger, replica_id: int, exc: BaseException, where: str = "") -> None:
@@ -77,10 +78,11 @@ def replica_failed(logger: logging.Logger, replica_id: int, exc: BaseException, 
     consequences of another failure (released, a timeout or mismatch logged where found)."""
     if isinstance(exc, (ReplicaAborted, CollectiveTimeoutError, CollectiveMismatchError)):
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("%sreplica %s stopped: %s: %s", where, replica_id, type(exc).__name__, exc)
+            logger.debug("%sreplica %s stopped: %s: %s", where, replica_id, type(exc).__name__, str(exc))
         return
-    logger.warning("%sreplica %s raised %s: %s; the other replicas are released", where, replica_id,
-                   type(exc).__name__, exc)
+    if logger.isEnabledFor(logging.WARNING):  # str(exc), as in report
+        logger.warning("%sreplica %s raised %s: %s; the other replicas are released", where, replica_id,
+                       type(exc).__name__, str(exc))
 
 
 class CrossReplicaWarning(UserWarning):

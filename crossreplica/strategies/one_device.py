@@ -26,7 +26,7 @@ class OneDeviceStrategy(Strategy):
     def __init__(self, device: str | torch.device = "cpu"):
         dev = canonical_device(device, "device")
         self.extended = StrategyExtended(self, [dev], ThreadsEngine([dev], DEFAULT_TIMEOUT))
-        _log.info("OneDeviceStrategy: 1 replica on %s (threads engine, in the calling thread)", dev)
+        _log.info("OneDeviceStrategy: 1 replica on %s (threads engine, in the calling thread)", str(dev))
 
 
 # Outside any scope, crossreplica behaves as one replica on the CPU (tf.distribute's default strategy).

@@ -228,7 +228,7 @@ class WorkerPool:
             failures = {r: v["failure"] for r, v in replies.answers.items() if "failure" in v}
             if failures or replies.exited or replies.unanswered:
                 why = describe(failures, replies.exited, replies.unanswered, START_LIMIT)
-                _log.error("%r did not start: %s", self, why)
+                _log.error("%s did not start: %s", repr(self), why)
                 raise WorkerPoolError(f"{self!r} did not start: {why}\n{self.logs()}")
         except BaseException:
             self.close()
@@ -262,7 +262,7 @@ class WorkerPool:
     def close(self) -> None:
         """Kills every worker (its whole process group), reaps it and removes the logs."""
         if self._workers:
-            _log.debug("closing %r", self)
+            _log.debug("closing %s", repr(self))
         for w in self._workers:
             w.conn.close()
             for pid in w.process.pids().values():

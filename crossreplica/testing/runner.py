@@ -138,7 +138,7 @@ def pooled(num_workers: int, replicas_per_worker: int, timeout_seconds: float = 
     key = (num_workers, replicas_per_worker, float(timeout_seconds), bool(check_collectives))
     pool = _pools.get(key)
     if pool is not None and not pool.alive:
-        _log.warning("a worker of %r exited between jobs; starting a new pool", pool)
+        _log.warning("a worker of %s exited between jobs; starting a new pool", repr(pool))
         pool.close()
         pool = None
     if pool is None:
@@ -163,8 +163,8 @@ def run_pooled(fn: Callable[..., Any], num_replicas: int, per_replica_args: Sequ
         raise
     if out.ok:
         return [out.results[r] for r in range(num_replicas)]
-    _log.warning("%s failed on %r; the pool is closed and the next job starts a fresh one (the process "
-                 "group refuses work after a failure)", fn.__qualname__, pool)
+    _log.warning("%s failed on %s; the pool is closed and the next job starts a fresh one (the process "
+                 "group refuses work after a failure)", fn.__qualname__, repr(pool))
     _discard(pool)  # the engine refuses work after a failure: the next call gets a fresh pool
     raise_failed(out, f"{fn.__qualname__} on {pool!r}", timeout_seconds)
 
