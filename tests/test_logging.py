@@ -275,6 +275,13 @@ def test_workers_log_setup_slow_collectives_and_failures(monkeypatch):
            "other replicas are released" in logs
 
 
+@pytest.mark.parametrize("level", ["loud", True, 2.5])
+def test_a_bad_pool_log_level_is_a_clear_error(level):
+    with pytest.raises(ValueError, match=f"log_level must be a logging level such as 'INFO' or logging.DEBUG, "
+                                         f"or None; got {level!r}"):
+        crt.WorkerPool(2, log_level=level)
+
+
 def _raise_everywhere(x):
     raise KeyError("nope")
 
