@@ -6,13 +6,18 @@ Layer: the face (layer 6); see docs/architecture.md.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from collections.abc import Sequence
 
 from .demo import STRATEGIES, TrainConfig, train
+from .logs import LOGGER_NAME
 from .version import __version__
 
 __all__ = ["main", "build_parser"]
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def _positive_int(text: str) -> int:
@@ -81,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="no progress bar (when stderr is not a terminal there is none anyway: "
                             "one line per epoch)")
     train.add_argument("--no-compare", action="store_true", help="skip the one-device comparison run")
+    train.add_argument("--log-level", choices=_LOG_LEVELS, type=str.upper, default=None,
+                       help="write crossreplica's log records at this level and above to stderr (set-up "
+                            "at INFO, slow collectives and failures at WARNING/ERROR); default: none")
     return parser
 
 
@@ -102,12 +110,34 @@ def _train(args: argparse.Namespace) -> int:
     return 0 if result.replicas_identical else 1
 
 
+def _log_to_stderr(level: str) -> logging.Handler:
+    """Sends crossreplica's records at ``level`` and above to stderr (each line names the
+    worker's rank under torchrun); returns the handler, for removal."""
+    rank = os.environ.get("RANK")
+    prefix = f"[rank {rank}] " if rank is not None else ""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    return handler
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``crossreplica`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "train":
-        return _train(args)
+        if args.log_level is None:
+            return _train(args)
+        logger = logging.getLogger(LOGGER_NAME)
+        level = logger.level
+        handler = _log_to_stderr(args.log_level)
+        try:
+            return _train(args)
+        finally:  # main() may be called in-process (tests): leave logging as it was
+            logger.removeHandler(handler)
+            logger.setLevel(level)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

@@ -15,7 +15,9 @@ A batch that does not divide evenly is split as evenly as possible: the first
 ``rows % num_replicas`` replicas get one row more, and replicas may get zero
 rows. To keep a MEAN gradient the exact global mean, pass each replica's row
 count (``x.shape[0]``) as ``weight=`` to ``CrossShardOptimizer.step``; the
-reduction is then weighted by rows (see :mod:`crossreplica.optim`).
+reduction is then weighted by rows (see :mod:`crossreplica.optim`). The first
+such batch of a distributed dataset is logged at INFO (code that weights by rows
+is correct, so this is no warning).
 
 Across processes every worker sees the same global batches (same data, same
 order, same seed) and keeps the parts of its own replicas. A ``DataLoader``
@@ -36,6 +38,7 @@ Layer: strategies (layer 5); see docs/architecture.md.
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -49,6 +52,8 @@ from .values import DistributedValues, PerReplica, regroup
 
 if TYPE_CHECKING:
     from .strategies.base import Strategy
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["InputContext", "ValueContext", "DistributedDataset", "split_sizes", "split_batch",
            "distribute_batch"]
@@ -265,6 +270,7 @@ class DistributedDataset:
         ext = strategy.extended
         self._sharded = (ShardedLoader(source, ext.num_replicas_in_sync, ext.local_replica_ids)
                          if not from_function and ext.num_input_pipelines > 1 and shardable(source) else None)
+        self._uneven_seen = False
 
     @property
     def sharded(self) -> bool:
@@ -280,11 +286,23 @@ class DistributedDataset:
             keep = list(ext.local_replica_ids)
             for batch, rows in self._sharded:
                 sizes = split_sizes(rows, ext.num_replicas_in_sync)
+                if rows % len(sizes) and not self._uneven_seen:
+                    self._log_uneven(rows, sizes)
                 yield distribute_batch(batch, len(keep), None, devices, [sizes[p] for p in keep])
         else:
             parts, keep = ext.num_replicas_in_sync, list(ext.local_replica_ids)
             for batch in self._source:
+                if not self._uneven_seen and _log.isEnabledFor(logging.INFO):
+                    rows = _rows(nest.flatten(batch, is_leaf=_is_plain_sequence)[0], batch)
+                    if rows % parts:
+                        self._log_uneven(rows, split_sizes(rows, parts))
                 yield distribute_batch(batch, parts, keep, devices)
+
+    def _log_uneven(self, rows: int, sizes: list[int]) -> None:
+        self._uneven_seen = True
+        _log.info("a global batch of %d rows splits unevenly over %d replicas (parts of %s rows): weight means "
+                  "by rows (CrossShardOptimizer.step(weight=x.shape[0])) for the exact global mean. Logged once "
+                  "per dataset", rows, len(sizes), sizes)
 
     def __len__(self) -> int:
         try:

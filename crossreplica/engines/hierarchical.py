@@ -16,17 +16,21 @@ the torch.distributed engine releases the other workers.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ..errors import CollectiveMismatchError
+from ..logs import slow_seconds
 from .base import FINISHED, Call, Kind, check_agreement
 from .rendezvous import Rendezvous
 from .torch_dist import TorchDistEngine
 
 __all__ = ["HierarchicalEngine"]
+
+_log = logging.getLogger(__name__)
 
 # Calls whose groups are not narrowed to the local members before comparing (an
 # all_to_all's split sizes are checked by position in the whole group).
@@ -43,7 +47,9 @@ class HierarchicalEngine(TorchDistEngine):
         # Local waiters wait for their slowest sibling and then for the leader's
         # cross-process wait, which is itself bounded by ``timeout``.
         self.rendezvous = Rendezvous(self.replicas_per_worker, 2 * self.timeout + 5.0,
-                                     self.local_replica_ids)
+                                     self.local_replica_ids, slow=slow_seconds(self.timeout))
+        _log.info("hierarchical layout: %d workers x %d local replicas (threads); worker rank %d holds "
+                  "replicas %s", self.world_size, self.replicas_per_worker, self.rank, list(self.local_replica_ids))
 
     def begin_run(self) -> None:
         super().begin_run()

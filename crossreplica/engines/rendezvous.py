@@ -11,18 +11,28 @@ Failures are sticky until the next run: a timeout, a mismatch between
 replicas, a replica that returned while others wait, or an abort after a
 replica raised wakes every waiter with the error, and any later arrival
 raises it at once. No round can hang.
+
+A waiter first waits ``slow`` seconds (:func:`~crossreplica.logs.slow_seconds`),
+then logs one WARNING per round naming the replicas not yet arrived, then waits
+for the rest of the timeout: the fast path is the same single timed wait. A
+timeout or a mismatch is logged once, at ERROR, by the replica that found it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAborted
+from ..logs import report, slow_seconds
 from .base import Kind
 
 __all__ = ["Rendezvous"]
+
+_log = logging.getLogger(__name__)
 
 
 def _locked() -> threading.Lock:
@@ -46,10 +56,13 @@ class _Failure:
 class Rendezvous:
     """A reusable meeting point for ``n`` participants (local replica indices)."""
 
-    def __init__(self, n: int, timeout: float, names: Sequence[int] | None = None):
+    def __init__(self, n: int, timeout: float, names: Sequence[int] | None = None,
+                 slow: float | None = None):
         self.n = n
         self.timeout = timeout
         self.names = tuple(names) if names is not None else tuple(range(n))
+        #: seconds a participant waits before a WARNING names the ones not yet arrived
+        self.slow = slow_seconds(timeout) if slow is None else slow
         self._lock = threading.Lock()
         self._fresh()
 
@@ -64,6 +77,7 @@ class Rendezvous:
         self._finished = [False] * n
         self._num_finished = 0
         self._error: _Failure | None = None
+        self._slow_round = -1  # the last round a slow warning was logged for
 
     def begin_run(self) -> None:
         """Re-arms for a new run (every participant has left the previous one)."""
@@ -96,6 +110,7 @@ class Rendezvous:
                 result = leader_fn(calls, payloads) if leader_fn is not None else None
             except CollectiveMismatchError as e:
                 message = str(e)
+                report(_log, logging.ERROR, e)
                 with self._lock:
                     self._error = _Failure(lambda: CollectiveMismatchError(message))
                 result = _Failure(lambda: CollectiveMismatchError(message))
@@ -111,21 +126,52 @@ class Rendezvous:
         return self._wait(i, call, self.timeout if timeout is None else timeout)
 
     def _wait(self, i: int, call: Any, timeout: float) -> Any:
-        if not self._wake[i].acquire(timeout=timeout):
-            with self._lock:
-                if self._calls[i] is call:  # still waiting: this round cannot complete
-                    missing = [self.names[j] for j in range(self.n)
-                               if self._calls[j] is None and not self._finished[j]]
-                    what = call.describe() if hasattr(call, "describe") else str(call)
-                    message = (f"collective {what} timed out after {timeout:g}s: replicas "
-                               f"{missing} never arrived (replicas "
-                               f"{[self.names[j] for j in range(self.n) if self._calls[j] is not None]} "
-                               f"were waiting)")
-                    failure = self._set_error(_Failure(
-                        lambda: CollectiveTimeoutError(message, tuple(missing))), skip=i)
-                    self._calls[i] = None
-                    raise failure.make()
-            self._wake[i].acquire()  # the round completed as we timed out: the wake-up is due
+        slow = self.slow
+        if slow < timeout:
+            if self._wake[i].acquire(timeout=slow):
+                return self._outcome_of(i)
+            started = time.monotonic() - slow
+            warned = self._warn_slow(i, call, slow, timeout)
+            if self._wake[i].acquire(timeout=timeout - slow):
+                if warned and _log.isEnabledFor(logging.INFO):
+                    _log.info("collective %s on replica %s completed after %.3gs", _describe(call),
+                              self.names[i], time.monotonic() - started)
+                return self._outcome_of(i)
+            self._timed_out(i, call, timeout)
+        elif not self._wake[i].acquire(timeout=timeout):
+            self._timed_out(i, call, timeout)
+        return self._outcome_of(i)
+
+    def _warn_slow(self, i: int, call: Any, waited: float, timeout: float) -> bool:
+        """Logs (once per round) which participants a round still waits for; whether it did."""
+        with self._lock:
+            if self._calls[i] is not call or self._slow_round == self._round:
+                return False  # the round was taken by its leader, or another waiter reported it
+            self._slow_round = self._round
+            missing = [self.names[j] for j in range(self.n) if self._calls[j] is None and not self._finished[j]]
+            arrived = [self.names[j] for j in range(self.n) if self._calls[j] is not None]
+        _log.warning("collective %s has waited %.3gs: replicas %s have not arrived yet (replicas %s are "
+                     "waiting); it fails after %gs", _describe(call), waited, missing, arrived, timeout)
+        return True
+
+    def _timed_out(self, i: int, call: Any, timeout: float) -> None:
+        """Raises the timeout, unless the round completed as the wait ended (then the
+        wake-up is due, and taken here)."""
+        with self._lock:
+            if self._calls[i] is call:  # still waiting: this round cannot complete
+                missing = [self.names[j] for j in range(self.n)
+                           if self._calls[j] is None and not self._finished[j]]
+                message = (f"collective {_describe(call)} timed out after {timeout:g}s: replicas "
+                           f"{missing} never arrived (replicas "
+                           f"{[self.names[j] for j in range(self.n) if self._calls[j] is not None]} "
+                           f"were waiting)")
+                failure = self._set_error(_Failure(
+                    lambda: CollectiveTimeoutError(message, tuple(missing))), skip=i, log=message)
+                self._calls[i] = None
+                raise failure.make()
+        self._wake[i].acquire()  # the round completed as we timed out: the wake-up is due
+
+    def _outcome_of(self, i: int) -> Any:
         outcome = self._outcome[i]
         self._outcome[i] = None
         if isinstance(outcome, _Failure):
@@ -134,11 +180,14 @@ class Rendezvous:
 
     # ---------------------------------------------------------------- failures
 
-    def _set_error(self, failure: _Failure, skip: int = -1) -> _Failure:
+    def _set_error(self, failure: _Failure, skip: int = -1, log: str | None = None) -> _Failure:
         """Makes ``failure`` sticky (unless an earlier one is) and wakes every waiting
-        participant (lock held); returns the sticky failure."""
+        participant (lock held); returns the sticky failure. ``log``: logged at ERROR
+        when this failure is the first."""
         if self._error is None:
             self._error = failure
+            if log is not None:
+                _log.error("%s", log)
         for j in range(self.n):
             if j != skip and self._calls[j] is not None:
                 self._calls[j] = None
@@ -159,7 +208,7 @@ class Rendezvous:
                 "replicas made different collective calls")
         message = (f"{head} (call #{self._round + 1} of this run): some replicas returned from the "
                    f"replica function while others wait:\n" + "\n".join(lines))
-        return self._set_error(_Failure(lambda: CollectiveMismatchError(message)))
+        return self._set_error(_Failure(lambda: CollectiveMismatchError(message)), log=message)
 
     def finish(self, i: int) -> None:
         """Participant ``i`` returned from its replica function."""
@@ -177,3 +226,7 @@ class Rendezvous:
         with self._lock:
             self._calls[i] = None
             self._set_error(_Failure(lambda: ReplicaAborted(message)))
+
+
+def _describe(call: Any) -> str:
+    return call.describe() if hasattr(call, "describe") else str(call)

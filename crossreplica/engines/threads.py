@@ -17,6 +17,7 @@ output is a copy of the same bytes.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from ..groups import Groups
+from ..logs import replica_failed
 from ..reduce_op import ReduceOp
 from .base import (
     BARRIER,
@@ -42,6 +44,8 @@ from .reduction import reduce_into, reduced
 from .rendezvous import Rendezvous
 
 __all__ = ["ThreadsEngine"]
+
+_log = logging.getLogger(__name__)
 
 # Payloads at least this large (bytes per replica) are processed by every
 # replica in parallel; smaller ones by the leader alone. 2 MiB is where the
@@ -86,6 +90,10 @@ class ThreadsEngine(Engine):
         # Every replica on one device (the CPU case): no per-tensor device checks.
         self._one_device = len(set(self.devices)) == 1
         self.rendezvous = rendezvous or Rendezvous(self.num_replicas, timeout, self.local_replica_ids)
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug("threads engine: replicas %s on %s, timeout %gs, slow-collective warning after %gs, "
+                       "parallel path from %d bytes on %d cores", list(self.local_replica_ids),
+                       [str(d) for d in self.devices], self.timeout, self.rendezvous.slow, PARALLEL_BYTES, _CORES)
 
     @property
     def timeout(self) -> float:
@@ -100,6 +108,7 @@ class ThreadsEngine(Engine):
         self.rendezvous.finish(self._index[replica_id])
 
     def abort(self, replica_id: int, exc: BaseException) -> None:
+        replica_failed(_log, replica_id, exc)
         self.rendezvous.abort(self._index[replica_id], exc)
 
     # ------------------------------------------------------------ execution

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from typing import Any
 from collections.abc import Callable, Iterator, Sequence
 
@@ -19,6 +20,7 @@ import torch
 
 from .. import context, data, nest
 from ..errors import ReplicaContextError, summarize
+from ..logs import SharedModuleWarning
 from ..reduce_op import WIRE_DTYPES, ReduceOp, check_dtype, from_wire, reduce_non_distributed_value, to_wire
 from ..values import DistributedValues, Mirrored, regroup, select_replica
 from .buffers import check_policy
@@ -77,16 +79,25 @@ class Strategy(LogicalDeviceMethods, TFCompatMethods):
         while args and args[-1] is None:
             args = args[:-1]
         kwargs = kwargs or {}
-        self._check_distributed(("args", args), ("kwargs", kwargs))
+        self._check_distributed(("args", args), ("kwargs", kwargs), run=True)
         with self.scope():
             results = self.extended.call_for_each_replica(fn, args, kwargs)
         return regroup(results, always_wrap=self.extended.always_wrap)
 
-    def _check_distributed(self, *named: tuple[str, Any]) -> None:
+    def _check_distributed(self, *named: tuple[str, Any], run: bool = False) -> None:
+        """Every DistributedValues has one value per local replica; for ``run``, a module with
+        trainable parameters handed to several replicas at once gets a SharedModuleWarning."""
         n = len(self.extended.worker_devices)
         for name, value in named:
             leaves, _ = nest.flatten(value)
             for leaf in leaves:
+                if run and n > 1 and isinstance(leaf, torch.nn.Module) and \
+                        any(p.requires_grad for p in leaf.parameters()):
+                    warnings.warn(
+                        f"{name} holds a {type(leaf).__name__} with trainable parameters that all {n} replicas "
+                        f"share: their backward passes would add into the same .grad and their optimizers "
+                        f"step the same tensors. Give each replica its own copy: "
+                        f"strategy.run(fn, args=(strategy.mirror(model),))", SharedModuleWarning, stacklevel=3)
                 if isinstance(leaf, DistributedValues) and len(leaf.values) != n:
                     raise ValueError(
                         f"{name} holds a {type(leaf).__name__} with {len(leaf.values)} values, but "

@@ -49,6 +49,7 @@ import torch
 
 from .. import collectives, nest
 from ..errors import summarize
+from ..logs import UnsyncedBuffersWarning
 from ..nn import SyncBatchNorm
 from ..packing import flatten_pack, unflatten_pack_
 from ..reduce_op import ReduceOp
@@ -145,7 +146,7 @@ class MirroredBuffers:
                     f"the mirrored copies of {type(mods[0]).__name__} hold different buffers after "
                     f"strategy.run (each replica updated them from its own batch; cr.save keeps "
                     f"replica 0's); pass sync_buffers='broadcast' or 'mean' to strategy.mirror to keep "
-                    f"them identical", RuntimeWarning, stacklevel=5)
+                    f"them identical", UnsyncedBuffersWarning, stacklevel=5)
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:

@@ -5,6 +5,7 @@ Layer: strategies (layer 5); see docs/architecture.md.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 from collections.abc import Sequence
 
@@ -20,6 +21,8 @@ from .base import Strategy, StrategyExtended
 from .logical_devices import group_devices
 
 __all__ = ["MirroredStrategy"]
+
+_log = logging.getLogger(__name__)
 
 
 class MirroredStrategy(Strategy):
@@ -70,3 +73,8 @@ class MirroredStrategy(Strategy):
                    else canonical_timeout(timeout_seconds, "timeout_seconds"))
         self.extended = StrategyExtended(self, devs, ThreadsEngine(devs, timeout), cross_device_ops)
         self.extended.set_logical_devices(groups)
+        _log.info("MirroredStrategy: %d replicas (threads engine, one thread per replica) on %s, timeout %gs",
+                  len(devs), [str(d) for d in devs], timeout)
+        if k > 1:
+            _log.info("MirroredStrategy: %d logical devices per replica: %s", k,
+                      [[str(d) for d in g] for g in groups])

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import logging
 import os
 import socket
 import warnings
@@ -39,6 +40,7 @@ from ..engines.sparse import reduce_gathered, sparse_leaves
 from ..engines.torch_dist import TorchDistEngine
 from ..errors import summarize
 from ..groups import Groups
+from ..logs import ConfigurationWarning
 from ..reduce_op import ReduceOp, from_wire, to_wire
 from ..timeouts import canonical_timeout
 from .base import Strategy, StrategyExtended
@@ -47,6 +49,9 @@ from .logical_devices import group_devices
 __all__ = ["MultiWorkerMirroredStrategy", "MultiWorkerExtended"]
 
 _BACKENDS = ("gloo", "nccl")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+_log = logging.getLogger(__name__)
 
 
 def _env_int(name: str, default: int | None = None) -> int | None:
@@ -59,8 +64,14 @@ def _env_int(name: str, default: int | None = None) -> int | None:
         raise ValueError(f"environment variable {name} must be an integer; got {summarize(raw)}") from None
 
 
-def _truthy(raw: str | None) -> bool:
-    return raw is not None and raw.strip().lower() in ("1", "true", "yes", "on")
+def _env_flag(name: str) -> bool:
+    """A boolean environment variable; an unrecognised value is off, with a warning."""
+    raw = os.environ.get(name)
+    value = (raw or "").strip().lower()
+    if value not in _TRUE + _FALSE:
+        warnings.warn(f"environment variable {name}={raw!r} is not one of {list(_TRUE + _FALSE[1:])}; "
+                      f"treated as off", ConfigurationWarning, stacklevel=3)
+    return value in _TRUE
 
 
 def _state_tensors(obj: Any) -> list[torch.Tensor]:
@@ -103,7 +114,7 @@ def _job_namespace() -> str:
             "MultiWorkerMirroredStrategy: no job secret (CROSSREPLICA_JOB_SECRET, or torchrun's "
             "--rdzv-id / --standalone run id), so the store's keys are predictable to anyone who can "
             "reach MASTER_ADDR:MASTER_PORT; set CROSSREPLICA_JOB_SECRET to the same random value on "
-            "every worker", stacklevel=4)
+            "every worker", ConfigurationWarning, stacklevel=4)
         secret = "none"
     return hashlib.sha256(f"crossreplica-job:{secret}".encode()).hexdigest()[:32]
 
@@ -265,10 +276,15 @@ class MultiWorkerMirroredStrategy(Strategy):
         k = check_int(logical_devices_per_replica, "logical_devices_per_replica", low=1)
         if backend is not None and backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {list(_BACKENDS)} or None (automatic); got {summarize(backend)}")
+        if backend is not None and dist.is_available() and dist.is_initialized() and dist.get_backend() != backend:
+            warnings.warn(f"backend={backend!r} is ignored: the process group already exists with backend "
+                          f"{dist.get_backend()!r}; leave backend out, or create the process group with the "
+                          f"backend you want", ConfigurationWarning, stacklevel=2)
+            backend = str(dist.get_backend())
         timeout = (canonical_timeout(DEFAULT_TIMEOUT, "CROSSREPLICA_TIMEOUT") if timeout_seconds is None
                    else canonical_timeout(timeout_seconds, "timeout_seconds"))
         if check_collectives is None:
-            check_collectives = _truthy(os.environ.get("CROSSREPLICA_CHECK_COLLECTIVES"))
+            check_collectives = _env_flag("CROSSREPLICA_CHECK_COLLECTIVES")
         local_rank = _env_int("LOCAL_RANK", 0) or 0
         groups = group_devices(self._devices(replicas_per_worker, backend, devices, local_rank, k), k)
         devs = [g[0] for g in groups]
@@ -290,6 +306,10 @@ class MultiWorkerMirroredStrategy(Strategy):
         self.extended.set_logical_devices(groups)
         if str(dist.get_backend()) == "nccl":
             engine.barrier("set-up")  # creates the communicators with every rank present
+        _log.info("MultiWorkerMirroredStrategy: %d replicas in sync, %d workers x %d local replicas (%s engine), "
+                  "worker rank %d on %s, backend %s, timeout %gs", engine.num_replicas, engine.world_size,
+                  replicas_per_worker, "torch_dist" if engine_cls is TorchDistEngine else "hierarchical",
+                  engine.rank, [str(d) for d in devs], engine.backend, timeout)
 
     @staticmethod
     def _devices(r: int, backend: str | None, devices: Sequence[Any] | None,
@@ -318,12 +338,16 @@ class MultiWorkerMirroredStrategy(Strategy):
             raise RuntimeError("MultiWorkerMirroredStrategy needs torch.distributed, which this "
                                "PyTorch build lacks")
         if dist.is_initialized():
+            _log.info("using the existing process group: rank %d of %d, backend %s", dist.get_rank(),
+                      dist.get_world_size(), dist.get_backend())
             return False
         td = datetime.timedelta(seconds=timeout)
         world = _env_int("WORLD_SIZE")
         rank = _env_int("RANK")
         if world is None and rank is None:
             # No launcher: a single worker, so the same script runs as `python script.py`.
+            _log.info("no launcher environment (RANK, WORLD_SIZE): running as a single worker (backend %s)",
+                      backend)
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
             return True
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
@@ -357,6 +381,13 @@ class MultiWorkerMirroredStrategy(Strategy):
             listener.detach()  # the store's server now owns the socket; closing ours would close it
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"crossreplica/{_job_namespace()}/attempt{attempt}", tcp_store)
+        if attempt not in ("", "0"):
+            _log.warning("worker rank %d was restarted by the elastic agent (TORCHELASTIC_RESTART_COUNT=%s): "
+                         "the previous attempt failed; resume from the last checkpoint", rank, attempt)
+        _log.info("initialising the process group: rank %d of %d, backend %s, store at MASTER_ADDR=%s "
+                  "MASTER_PORT=%d (%s), timeout %gs", rank, world, backend, address, port,
+                  "the elastic agent's store" if agent_store else
+                  "served by this worker" if is_master else "served by rank 0", timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=td)
         return True
 

@@ -5,6 +5,8 @@ Layer: strategies (layer 5); see docs/architecture.md.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .. import context
@@ -15,6 +17,8 @@ from .base import Strategy, StrategyExtended
 
 __all__ = ["OneDeviceStrategy"]
 
+_log = logging.getLogger(__name__)
+
 
 class OneDeviceStrategy(Strategy):
     """One replica on ``device``; the same code as N replicas, with N = 1."""
@@ -22,6 +26,7 @@ class OneDeviceStrategy(Strategy):
     def __init__(self, device: str | torch.device = "cpu"):
         dev = canonical_device(device, "device")
         self.extended = StrategyExtended(self, [dev], ThreadsEngine([dev], DEFAULT_TIMEOUT))
+        _log.info("OneDeviceStrategy: 1 replica on %s (threads engine, in the calling thread)", str(dev))
 
 
 # Outside any scope, crossreplica behaves as one replica on the CPU (tf.distribute's default strategy).

@@ -23,6 +23,7 @@ Layer: strategies (layer 5); see docs/architecture.md.
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import time
 import weakref
@@ -38,6 +39,7 @@ from ..errors import (
 
 __all__ = ["ReplicaThreads", "raise_first_failure"]
 
+_log = logging.getLogger(__name__)
 _STOP = object()
 _live: "weakref.WeakSet[ReplicaThreads]" = weakref.WeakSet()
 # Threads told to stop (closed, or left behind by an abandoned run) that were not
@@ -190,6 +192,10 @@ class ReplicaThreads:
                 g.release()
             while not self._done.acquire(timeout=1.0):
                 if self._errors and not self._done.acquire(timeout=failure_grace):
+                    _log.warning("%d of %d replica threads were still busy outside any collective %gs after "
+                                 "replica %s failed; they are abandoned and new threads serve the next run",
+                                 self._remaining, self.n, failure_grace,
+                                 (names or range(self.n))[self._errors[0][0]])
                     self._abandon()
                     break
                 elif self._errors:

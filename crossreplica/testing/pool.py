@@ -4,7 +4,10 @@ A :class:`WorkerPool` starts ``num_workers`` processes through torch's elastic
 launcher (``torch.distributed.elastic.multiprocessing.start_processes``), each
 with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 GROUP_RANK, ROLE_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT an OS-chosen free
-port) and its stdout/stderr in the launcher's log files. Each worker builds
+port, and this process's ``CROSSREPLICA_*`` settings, as torchrun passes its
+environment on) and its stdout/stderr in the launcher's log files; with
+``log_level`` each worker logs crossreplica's records to its stderr
+(:meth:`WorkerPool.logs` shows them). Each worker builds
 ``cr.MultiWorkerMirroredStrategy(replicas_per_worker)`` once and then runs jobs
 sent down its pipe (:mod:`crossreplica.testing.worker`).
 
@@ -71,6 +74,7 @@ DEFAULT_TIMEOUT = 30.0
 START_LIMIT = 60.0  # seconds for a pool to start: fork, process-group set-up, strategy
 _PRELOAD = ["torch", "crossreplica", "crossreplica.testing.worker"]
 _LAUNCHER_LOG = logging.getLogger(PContext.__module__)
+_log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -165,10 +169,13 @@ class WorkerPool:
         replicas_per_worker: replicas in each worker (threads of the hierarchical engine).
         timeout_seconds: the strategy's collective timeout.
         check_collectives: the strategy's opt-in comparison of every call across workers.
+        log_level: a ``logging`` level (``"INFO"``, ``logging.DEBUG``) at which each worker
+            writes crossreplica's log records to its stderr; None (default): none.
     """
 
     def __init__(self, num_workers: int, replicas_per_worker: int = 1, *,
-                 timeout_seconds: float = DEFAULT_TIMEOUT, check_collectives: bool = False):
+                 timeout_seconds: float = DEFAULT_TIMEOUT, check_collectives: bool = False,
+                 log_level: int | str | None = None):
         for name, value in (("num_workers", num_workers), ("replicas_per_worker", replicas_per_worker)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int; got {value!r}")
@@ -178,6 +185,11 @@ class WorkerPool:
         self.replicas_per_worker = replicas_per_worker
         self.timeout_seconds = float(timeout_seconds)
         self.check_collectives = bool(check_collectives)
+        level = logging.getLevelName(log_level.upper()) if isinstance(log_level, str) else log_level
+        if isinstance(log_level, bool) or not (level is None or isinstance(level, int)):
+            raise ValueError(f"log_level must be a logging level such as 'INFO' or logging.DEBUG, or None; "
+                             f"got {log_level!r}")
+        self.log_level: int | None = level
         self._workers: list[_Worker] = []
         self._logroot: str | None = None
 
@@ -206,6 +218,8 @@ class WorkerPool:
         self._logroot = logroot = tempfile.mkdtemp(prefix="crossreplica-workers-")
         port = free_port()
         self._secret = secrets.token_hex(16)  # the job secret every worker of this pool shares
+        _log.info("starting worker processes: %d workers x %d replicas, MASTER_ADDR=127.0.0.1 MASTER_PORT=%d, "
+                  "timeout %gs", self.num_workers, self.replicas_per_worker, port, self.timeout_seconds)
         try:
             with _one_omp_thread():  # read when the forkserver imports torch
                 for rank in range(self.num_workers):
@@ -213,16 +227,18 @@ class WorkerPool:
             replies = self._collect(list(range(self.num_workers)), time.monotonic() + START_LIMIT)
             failures = {r: v["failure"] for r, v in replies.answers.items() if "failure" in v}
             if failures or replies.exited or replies.unanswered:
-                raise WorkerPoolError(
-                    f"{self!r} did not start: " + describe(failures, replies.exited, replies.unanswered,
-                                                            START_LIMIT) + "\n" + self.logs())
+                why = describe(failures, replies.exited, replies.unanswered, START_LIMIT)
+                _log.error("%s did not start: %s", repr(self), why)
+                raise WorkerPoolError(f"{self!r} did not start: {why}\n{self.logs()}")
         except BaseException:
             self.close()
             raise
         return self
 
     def _launch(self, rank: int, port: int, logdir: str) -> _Worker:
-        env = {"RANK": str(rank), "WORLD_SIZE": str(self.num_workers), "LOCAL_RANK": str(rank),
+        # This process's crossreplica settings reach the workers, as torchrun's environment does.
+        env = {k: v for k, v in os.environ.items() if k.startswith("CROSSREPLICA_")}
+        env |= {"RANK": str(rank), "WORLD_SIZE": str(self.num_workers), "LOCAL_RANK": str(rank),
                "LOCAL_WORLD_SIZE": str(self.num_workers), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
                "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(self.num_workers),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
@@ -233,7 +249,7 @@ class WorkerPool:
             process = start_processes(
                 name=f"crossreplica-worker-{rank}", entrypoint=serve,
                 args={0: (theirs, self.replicas_per_worker, self.timeout_seconds, self.check_collectives,
-                          list(sys.path))},
+                          list(sys.path), self.log_level)},
                 envs={0: env}, logs_specs=DefaultLogsSpecs(log_dir=logdir, redirects=Std.ALL),
                 start_method="forkserver")
         except BaseException:
@@ -245,6 +261,8 @@ class WorkerPool:
 
     def close(self) -> None:
         """Kills every worker (its whole process group), reaps it and removes the logs."""
+        if self._workers:
+            _log.debug("closing %s", repr(self))
         for w in self._workers:
             w.conn.close()
             for pid in w.process.pids().values():

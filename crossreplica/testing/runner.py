@@ -23,6 +23,7 @@ Layer: the face (layer 6); see docs/architecture.md.
 from __future__ import annotations
 
 import atexit
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -42,6 +43,7 @@ from crossreplica.testing.worker import Boxed, function_spec
 ENGINES: tuple[str, ...] = ("threads", "processes")
 
 _strategies: dict[tuple[int, float], cr.MirroredStrategy] = {}
+_log = logging.getLogger(__name__)
 
 
 def _run_threads(fn: Callable[..., Any], num_replicas: int, per_replica_args: Sequence[Sequence[Any]],
@@ -138,6 +140,7 @@ def pooled(num_workers: int, replicas_per_worker: int, timeout_seconds: float = 
     key = (num_workers, replicas_per_worker, float(timeout_seconds), bool(check_collectives))
     pool = _pools.get(key)
     if pool is not None and not pool.alive:
+        _log.warning("a worker of %s exited between jobs; starting a new pool", repr(pool))
         pool.close()
         pool = None
     if pool is None:
@@ -162,6 +165,8 @@ def run_pooled(fn: Callable[..., Any], num_replicas: int, per_replica_args: Sequ
         raise
     if out.ok:
         return [out.results[r] for r in range(num_replicas)]
+    _log.warning("%s failed on %s; the pool is closed and the next job starts a fresh one (the process "
+                 "group refuses work after a failure)", fn.__qualname__, repr(pool))
     _discard(pool)  # the engine refuses work after a failure: the next call gets a fresh pool
     raise_failed(out, f"{fn.__qualname__} on {pool!r}", timeout_seconds)
 

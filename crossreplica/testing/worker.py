@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import os
 import pickle
 import sys
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 
 import crossreplica as cr
+from crossreplica.logs import LOGGER_NAME
 from crossreplica.testing.remote import capture
 
 
@@ -95,13 +97,15 @@ def load_function(spec: dict[str, Any]) -> Callable[..., Any]:
 
 
 def serve(conn: Connection, replicas_per_worker: int, timeout_seconds: float, check_collectives: bool,
-          path: list[str]) -> None:
+          path: list[str], log_level: int | str | None = None) -> None:
     """Entry point of a worker process (see the module docstring); never returns."""
     try:
         os.setsid()  # its own process group, so the pool's kill reaches whatever it starts
     except OSError:
         pass
     code = 0
+    if log_level is not None:
+        _log_to_stderr(log_level)
     try:
         _serve(conn, replicas_per_worker, timeout_seconds, check_collectives, path)
     except BaseException:  # noqa: BLE001 - the pool sees the pipe close and reads the log
@@ -113,6 +117,16 @@ def serve(conn: Connection, replicas_per_worker: int, timeout_seconds: float, ch
         # Skip interpreter teardown: a worker released from a broken process group must not
         # hang in the backend's destructors.
         os._exit(code)
+
+
+def _log_to_stderr(level: int | str) -> None:
+    """crossreplica's records at ``level`` and above to this worker's stderr, marked with its rank."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        f"[rank {os.environ.get('RANK', '?')}] %(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.addHandler(handler)
+    logger.setLevel(level)
 
 
 def _serve(conn: Connection, replicas_per_worker: int, timeout_seconds: float, check_collectives: bool,

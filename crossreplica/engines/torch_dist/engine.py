@@ -12,11 +12,15 @@ dispatch by kind to one module per collective, and the sticky failure state.
 Invariant: once a cross-process call failed, the process group is out of step,
 so every later call raises at once (a dead peer, a timeout, a mismatch or a
 raising replica elsewhere) rather than meeting the wrong call on another worker.
+The failure that breaks the engine is logged once, at ERROR (WARNING when this
+worker was only released because another one failed); with DEBUG enabled,
+every cross-process call is logged as it starts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -24,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAborted
+from ...logs import replica_failed, report
 from ..base import FINISHED, Call, Engine, Kind, Pending, check_inplace, is_inplace
 from ..buffer_pool import BufferPool
 from .all_reduce import all_reduce, reduce_scatter, start_all_reduce
@@ -35,6 +40,13 @@ from .signatures import check_signatures
 from .watchdog import Watchdog, is_peer_loss
 
 __all__ = ["TorchDistEngine"]
+
+_log = logging.getLogger(__name__)
+
+
+def _broke(e: BaseException) -> None:
+    """Logs the failure that breaks the engine (once per exception object)."""
+    report(_log, logging.WARNING if isinstance(e, ReplicaAborted) else logging.ERROR, e)
 
 
 # Each collective kind's implementation (one module per concern; see the package docstring).
@@ -79,6 +91,13 @@ class TorchDistEngine(Engine):
         # input: reused buffers spare the page faults of a fresh one each call.
         self.pool = BufferPool(max_buffers=8)
         self._broken: BaseException | None = None
+        _log.info("torch_dist engine: worker rank %d of %d (backend %s), local replicas %s of %d on %s, "
+                  "timeout %gs, slow-collective warning after %gs", self.rank, self.world_size, self.backend,
+                  list(self.local_replica_ids), self.num_replicas, [str(d) for d in self.devices], self._timeout,
+                  self.watchdog.slow)
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug("torch_dist engine: comm device %s, check_collectives=%s, ordered_reductions=%s",
+                       self.comm_device, self.check_collectives, self.ordered_reductions)
 
     @property
     def timeout(self) -> float:
@@ -127,6 +146,7 @@ class TorchDistEngine(Engine):
             return fn()
         except (CollectiveMismatchError, CollectiveTimeoutError, ReplicaAborted) as e:
             self._broken = e
+            _broke(e)
             raise
         except RuntimeError as e:
             raise self._failed(e) from e
@@ -136,6 +156,7 @@ class TorchDistEngine(Engine):
             return e
         err = self.watchdog.lost(e)
         self._broken = err
+        _broke(err)
         return err
 
     def finish(self, replica_id: int) -> None:
@@ -144,6 +165,7 @@ class TorchDistEngine(Engine):
 
     def abort(self, replica_id: int, exc: BaseException) -> None:
         """Tells every other worker (through the store) that this one failed."""
+        replica_failed(_log, replica_id, exc, f"worker rank {self.rank}: ")
         if isinstance(exc, (ReplicaAborted, CollectiveTimeoutError, CollectiveMismatchError)):
             return  # a consequence of another failure, already known everywhere
         self.announce_failure(f"worker rank {self.rank} (replicas {list(self.local_replica_ids)}): replica "
@@ -167,6 +189,8 @@ class TorchDistEngine(Engine):
         watchdog.count += 1
         call = calls[0]
         watchdog.current = call  # described only if something goes wrong
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug("cross-process call #%d: %s", watchdog.count, call.describe())
         try:
             if self.check_collectives:
                 check_signatures(self, calls)
@@ -189,12 +213,14 @@ class TorchDistEngine(Engine):
             return run(self, step)
         except (CollectiveMismatchError, CollectiveTimeoutError, ReplicaAborted) as e:
             self._broken = e
+            _broke(e)
             raise
         except RuntimeError as e:
             if not is_peer_loss(e):
                 raise
             err = watchdog.lost(e)  # the process group can no longer be trusted
             self._broken = err
+            _broke(err)
             raise err from e
 
     def barrier(self, what: str = "barrier") -> None:
@@ -207,10 +233,15 @@ class TorchDistEngine(Engine):
         try:
             watchdog.wait(dist.all_reduce(torch.zeros(1, device=self.comm_device), async_op=True),
                           range(self.world_size))
+        except (CollectiveTimeoutError, ReplicaAborted) as e:
+            _broke(e)
+            raise
         except RuntimeError as e:
             if not is_peer_loss(e):
                 raise
-            raise watchdog.lost(e) from e
+            err = watchdog.lost(e)
+            _broke(err)
+            raise err from e
 
     def hand_out(self, outs: list[list[Any]], leaf: int, local: list[int], value: torch.Tensor,
                  fresh: bool = True) -> None:

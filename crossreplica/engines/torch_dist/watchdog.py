@@ -7,6 +7,11 @@ failing worker sets (:meth:`Watchdog.announce`); on timeout the store's
 progress keys tell which ranks never arrived. NCCL waits are left to NCCL's
 own watchdog, which enforces the process-group timeout.
 
+A gloo wait that outlasts the slow threshold (:func:`~crossreplica.logs.slow_seconds`,
+at least two slices, so every worker that arrived has posted its progress) logs
+one WARNING naming the call and the worker ranks that have not reached it; the
+check runs between slices only, so a fast collective pays nothing for it.
+
 Store keys, under one prefix per engine: ``abort`` (the failing worker's
 message), ``progress/<rank>`` (the last cross-process call a worker reached),
 ``p2p/<a>-><b>`` (point-to-point exchanges worker ``a`` reached with ``b``).
@@ -15,6 +20,7 @@ message), ``progress/<rank>`` (the last cross-process call a worker reached),
 from __future__ import annotations
 
 import datetime
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,11 +28,14 @@ from typing import Any
 import torch.distributed as dist
 
 from ...errors import CollectiveTimeoutError, CrossReplicaError, ReplicaAborted
+from ...logs import slow_seconds
 from ..base import Call
 
 __all__ = ["Watchdog", "WorkerFailedError", "is_peer_loss"]
 
 _SLICE = 0.25  # seconds between abort-key checks while a collective waits
+
+_log = logging.getLogger(__name__)
 
 # The errors torch raises, typed, when a peer or the store host is gone (NCCL, the TCP store).
 _TYPED_LOSS = (dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError)
@@ -71,6 +80,8 @@ class Watchdog:
         self.replicas_per_worker = replicas_per_worker
         self.timeout = timeout
         self.backend = backend
+        #: seconds a wait lasts before a WARNING names the ranks not arrived (at least two slices)
+        self.slow = max(slow_seconds(timeout), 2 * _SLICE)
         self.store = _default_store()
         # Every worker creates its engines in the same order (SPMD), so its own count
         # of engines names the same engine everywhere.
@@ -97,11 +108,13 @@ class Watchdog:
             work.wait()  # the NCCL watchdog enforces the process-group timeout
             return
         deadline = time.monotonic() + self.timeout
-        posted = False
+        posted = warned = False
         while True:
             left = deadline - time.monotonic()
             try:
                 work.wait(datetime.timedelta(seconds=max(min(_SLICE, left), 0.001)))
+                if warned:
+                    self._completed(deadline)
                 return
             except RuntimeError as e:
                 # Anything but the end of a slice (or a finished work) is the backend
@@ -112,6 +125,9 @@ class Watchdog:
                 self.post_progress()
                 posted = True
             self._raise_if_aborted_or_late(deadline, ranks, lambda: self._missing(ranks))
+            if not warned and self.timeout - (deadline - time.monotonic()) >= self.slow:
+                warned = True
+                self._warn_slow(deadline, ranks, self._missing(ranks))
 
     def await_peers(self, peers: Sequence[int], ranks: Sequence[int]) -> float:
         """Posts this worker's arrival at its next exchange with each of ``peers`` and waits
@@ -124,16 +140,21 @@ class Watchdog:
             want[peer] = self._exchanges.get(peer, 0) + 1
             self._exchanges[peer] = want[peer]
             self.store.add(f"{self._prefix}/p2p/{self.rank}->{peer}", 1)
-        pause, posted = 0.0005, False
+        pause, posted, warned = 0.0005, False, False
         while True:
             waiting = [peer for peer in peers
                        if self.store.add(f"{self._prefix}/p2p/{peer}->{self.rank}", 0) < want[peer]]
             if not waiting:
+                if warned:
+                    self._completed(deadline)
                 return deadline
             if not posted and pause >= 0.01:
                 self.post_progress()
                 posted = True
             self._raise_if_aborted_or_late(deadline, ranks, lambda: waiting)  # noqa: B023 - called at once
+            if not warned and self.timeout - (deadline - time.monotonic()) >= self.slow:
+                warned = True
+                self._warn_slow(deadline, ranks, waiting)
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
 
@@ -151,6 +172,17 @@ class Watchdog:
                 f"collective {self.where} timed out after {self.timeout:g}s on worker rank "
                 f"{self.rank}: worker ranks {late} (replicas {list(replicas)}) never "
                 f"arrived (ranks taking part: {list(ranks)})", replicas)
+
+    def _warn_slow(self, deadline: float, ranks: Sequence[int], late: Sequence[int]) -> None:
+        waited = self.timeout - (deadline - time.monotonic())
+        _log.warning("collective %s has waited %.3gs on worker rank %s: worker ranks %s (replicas %s) have "
+                     "not reached it yet (ranks taking part: %s); it fails after %gs", self.where, waited,
+                     self.rank, list(late), list(self._replicas_of(late)), list(ranks), self.timeout)
+
+    def _completed(self, deadline: float) -> None:
+        if _log.isEnabledFor(logging.INFO):
+            _log.info("collective %s on worker rank %s completed after %.3gs", self.where, self.rank,
+                      self.timeout - (deadline - time.monotonic()))
 
     def _replicas_of(self, workers: Sequence[int]) -> tuple[int, ...]:
         per_worker = self.replicas_per_worker

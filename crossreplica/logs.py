@@ -1,0 +1,105 @@
+"""Logging and warnings: the library's logger, the slow-collective threshold, warning categories.
+
+Every module logs to ``logging.getLogger(__name__)``, a child of the
+``"crossreplica"`` logger. That logger carries a ``logging.NullHandler``, so
+nothing is printed unless the application configures logging
+(``logging.basicConfig(level=logging.INFO)``, or a handler on
+``logging.getLogger("crossreplica")``). What is logged at which level is listed
+in docs/reliability.md ("Logging"). Invariant: the hot path formats nothing;
+messages are built lazily (``%``-style arguments) or behind ``isEnabledFor``,
+and the slow-collective warning costs a waiter nothing until it has waited
+:func:`slow_seconds`.
+
+Misuse that still works is reported with ``warnings.warn`` and one of the
+categories below (all subclasses of :class:`CrossReplicaWarning`, a
+``UserWarning``), so ``warnings.filterwarnings`` can silence or escalate them.
+
+Layer: bottom (layer 0); see docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from .errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAborted
+from .timeouts import canonical_timeout
+
+__all__ = ["LOGGER_NAME", "SLOW_SECONDS_ENV", "ConfigurationWarning", "CrossReplicaWarning",
+           "SharedModuleWarning", "UnsyncedBuffersWarning", "replica_failed", "report", "slow_seconds"]
+
+#: The root of the library's loggers.
+LOGGER_NAME = "crossreplica"
+#: Seconds a collective may wait before a WARNING names the replicas it waits for.
+SLOW_SECONDS_ENV = "CROSSREPLICA_SLOW_SECONDS"
+#: Without SLOW_SECONDS_ENV: a tenth of the collective timeout, at most this many seconds.
+MAX_DEFAULT_SLOW_SECONDS = 10.0
+
+_root = logging.getLogger(LOGGER_NAME)
+if not any(isinstance(h, logging.NullHandler) for h in _root.handlers):
+    _root.addHandler(logging.NullHandler())
+
+
+def slow_seconds(timeout: float) -> float:
+    """The slow-collective threshold for a collective timeout of ``timeout`` seconds:
+    env ``CROSSREPLICA_SLOW_SECONDS`` (a positive number of seconds), else
+    ``min(timeout / 10, 10)``. A threshold at or above the timeout turns the warning off.
+
+    Raises:
+        ValueError: the variable is set to something other than a positive number.
+    """
+    raw = os.environ.get(SLOW_SECONDS_ENV, "").strip()
+    if not raw:
+        return min(timeout / 10.0, MAX_DEFAULT_SLOW_SECONDS)
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {SLOW_SECONDS_ENV} must be a positive number of seconds; "
+                         f"got {raw!r}") from None
+    return canonical_timeout(value, SLOW_SECONDS_ENV)
+
+
+def report(logger: logging.Logger, level: int, exc: BaseException, what: str = "") -> None:
+    """Logs ``exc`` at ``level`` once: the same exception object passing through several
+    layers (an engine, then the strategy) is logged by the first only."""
+    if getattr(exc, "_crossreplica_logged", False) or not logger.isEnabledFor(level):
+        return
+    try:
+        exc._crossreplica_logged = True  # type: ignore[attr-defined]
+    except AttributeError:  # an exception type with __slots__: may be logged twice
+        pass
+    # The message, not the exception: a kept record must not keep the failed run's frames alive.
+    logger.log(level, "%s%s: %s", what, type(exc).__name__, str(exc))
+
+
+def replica_failed(logger: logging.Logger, replica_id: int, exc: BaseException, where: str = "") -> None:
+    """Logs that ``replica_id`` failed with ``exc`` and the others are released: WARNING for
+    the replica's own exception (the run re-raises it as a ReplicaError); DEBUG for the
+    consequences of another failure (released, a timeout or mismatch logged where found)."""
+    if isinstance(exc, (ReplicaAborted, CollectiveTimeoutError, CollectiveMismatchError)):
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%sreplica %s stopped: %s: %s", where, replica_id, type(exc).__name__, str(exc))
+        return
+    if logger.isEnabledFor(logging.WARNING):  # str(exc), as in report
+        logger.warning("%sreplica %s raised %s: %s; the other replicas are released", where, replica_id,
+                       type(exc).__name__, str(exc))
+
+
+class CrossReplicaWarning(UserWarning):
+    """Base of the warnings crossreplica issues for code that runs but is probably wrong."""
+
+
+class SharedModuleWarning(CrossReplicaWarning):
+    """Several replicas of one process were handed the same module with trainable
+    parameters (they would race on its gradients); ``strategy.mirror`` it instead."""
+
+
+class UnsyncedBuffersWarning(CrossReplicaWarning, RuntimeWarning):
+    """The mirrored copies of a module mirrored with ``sync_buffers=None`` hold different
+    buffers after a run (``strategies/buffers.py``)."""
+
+
+class ConfigurationWarning(CrossReplicaWarning):
+    """A setting that is not what it looks like: an unrecognised value treated as the
+    default, an argument that an existing set-up overrides, or a set-up that works but
+    is unsafe."""
