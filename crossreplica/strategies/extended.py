@@ -22,6 +22,7 @@ from ..cross_device_ops import AllReduceCrossDeviceOps, CrossDeviceOps
 from ..engines.base import MERGE_CALL, Engine, check_agreement
 from ..engines.reduction import reduce_into
 from ..errors import ReplicaContextError, summarize
+from ..random_streams import draw_base, replica_stream, suspended
 from ..reduce_op import ReduceOp, from_wire, to_wire
 from ..values import (
     DistributedValues,
@@ -42,6 +43,11 @@ __all__ = ["StrategyExtended"]
 
 class StrategyExtended(LogicalDeviceExtended):
     """The strategy's machinery: devices, engine, replica threads, merge_call."""
+
+    #: Whether each replica draws from its own random stream (seeded from the caller's
+    #: generator and the replica id; docs/fidelity.md, "Random numbers"). Set False to let
+    #: replicas share torch's default generators, as plain threads would.
+    random_streams: bool = True
 
     def __init__(self, container: "Strategy", devices: Sequence[torch.device], engine: Engine,
                  cross_device_ops: CrossDeviceOps | None = None):
@@ -118,6 +124,8 @@ class StrategyExtended(LogicalDeviceExtended):
         # The caller's thread-local torch state (grad mode, autocast, default device,
         # ...): each replica thread runs under it, as the caller's thread would.
         state = torch_state.capture()
+        # One draw from the caller's generator per run; replica i's stream is seeded from it and i.
+        base = draw_base() if self.random_streams else None
         engine.begin_run()
 
         def body(i: int) -> Any:
@@ -125,7 +133,7 @@ class StrategyExtended(LogicalDeviceExtended):
             a, kw = select_replica(i, args), select_replica(i, kwargs)
             context.push(strategy, rctx)
             try:
-                with torch_state.applied(state):
+                with torch_state.applied(state), replica_stream(base, ids[i]):
                     if devices[i].type == "cuda":
                         with torch.cuda.device(devices[i]):
                             out = fn(*a, **kw)
@@ -160,7 +168,8 @@ class StrategyExtended(LogicalDeviceExtended):
             check_agreement(calls, self.local_replica_ids)
             merge_args = regroup(tuple(p[1] for p in payloads), always_wrap=self.always_wrap)
             merge_kwargs = regroup(tuple(p[2] for p in payloads), always_wrap=self.always_wrap)
-            with context.frame(strategy, None):
+            # cross-replica context: draws use the caller's (default) generators, not a replica's
+            with context.frame(strategy, None), suspended():
                 return payloads[0][0](strategy, *merge_args, **merge_kwargs)
 
         result = self.engine.exchange_objects(rctx.replica_id_in_sync_group, MERGE_CALL,
