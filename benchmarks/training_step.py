@@ -129,6 +129,20 @@ def table(title: str, times: dict[str, list[float]], baseline: str) -> None:
     print()
 
 
+def random_stream_table(x: torch.Tensor, y: torch.Tensor, cores: int, rounds: int, steps: int) -> None:
+    """The demo step on 2 replicas with per-replica random streams (the default) and without
+    (``extended.random_streams = False``): what the routing of random ops costs."""
+    threads = max(1, cores // 2)
+    variants = {}
+    for on in (False, True):
+        run, s, _ = strategy_runner(demo.make_model(), x, y, 2, threads, steps)
+        s.extended.random_streams = on
+        variants[f"MirroredStrategy, 2 replicas, random_streams={on}"] = run
+    times = measure(variants, rounds, steps)
+    table(f"per-replica random streams on the demo step (2 replicas x {threads} intra-op thread(s)); "
+          f"{rounds} rounds x {steps} steps, interleaved", times, "MirroredStrategy, 2 replicas, random_streams=False")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=15)
@@ -184,6 +198,7 @@ def main() -> None:
     demo_times = measure(variants, args.rounds, args.demo_steps)
     table(f"demo model (digits MLP 64-128-128-10), global batch 64, SGD; {args.rounds} rounds x "
           f"{args.demo_steps} steps, interleaved", demo_times, base_name)
+    random_stream_table(xb, yb, cores, args.rounds, args.demo_steps)
     torch.set_num_threads(saved)
     if not args.no_plot:
         plot_training_step(mlp_times, mlp_base, demo_times, base_name, replicas_of, args.plot,
