@@ -49,8 +49,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["KEY", "ReplicaStream", "draw_base", "entered", "replica_generator", "replica_seed", "replica_stream",
-           "suspended"]
+__all__ = ["KEY", "ReplicaStream", "checkpoint_context_fn", "draw_base", "entered", "replica_generator",
+           "replica_seed", "replica_stream", "suspended"]
 
 #: Upper bound (exclusive) of the per-run draw ``base``.
 BASE_BOUND = 2**63 - 1
@@ -172,6 +172,40 @@ def replica_generator(device: str | torch.device = "cpu") -> torch.Generator:
     if default is None:
         raise ValueError(f"device must be a device with a random generator (cpu, cuda, ...); got {device!r}")
     return default
+
+
+def checkpoint_context_fn() -> tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]:
+    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` that makes
+    the recomputation draw what the forward drew from the replica's stream (dropout masks match).
+
+    torch's ``preserve_rng_state`` saves and restores torch's default generators only; inside
+    a replica, random ops draw from the replica's stream instead. Outside a replica this
+    returns two empty contexts (torch's own handling applies).
+    """
+    stream = _local.stream
+    if stream is None:
+        return _NOTHING, _NOTHING
+    snapshot = _copy(stream)
+    return _NOTHING, _recompute(snapshot)
+
+
+def _copy(stream: ReplicaStream) -> ReplicaStream:
+    out = ReplicaStream(stream.seed)
+    for device, g in stream._gens.items():
+        out._gens[device] = torch.Generator(device=g.device)
+        out._gens[device].set_state(g.get_state())
+    return out
+
+
+@contextlib.contextmanager
+def _recompute(snapshot: ReplicaStream) -> Iterator[None]:
+    saved = _local.stream
+    _local.stream = _copy(snapshot)  # a fresh copy for every recomputation
+    try:
+        with torch._C._IncludeDispatchKeyGuard(KEY):
+            yield
+    finally:
+        _local.stream = saved
 
 
 # ---------------------------------------------------------------------------- the kernels

@@ -219,3 +219,31 @@ def test_compiled_replica_function():
     for i, got in enumerate(runs[0]):
         torch.manual_seed(base + i)
         assert torch.equal(got, _compiled_step(x))
+
+
+def _masked(x):
+    return F.dropout(x, 0.5) * x
+
+
+def _checkpointed(x, context_fn):
+    from torch.utils.checkpoint import checkpoint
+    x = x.detach().requires_grad_()
+    y = checkpoint(_masked, x, use_reentrant=False, context_fn=context_fn)
+    y.sum().backward()
+    return y.detach(), x.grad
+
+
+def test_checkpoint_recomputes_the_replica_draws():
+    """With cr.checkpoint_context_fn, a checkpointed dropout recomputes the forward's mask
+    (the gradient is zero exactly where y is), and the numbers are the plain-torch formula's."""
+    strategy = cr.MirroredStrategy(num_replicas=2)
+    x = torch.linspace(1, 2, 64)
+    torch.manual_seed(SEED)
+    out = strategy.experimental_local_results(strategy.run(_checkpointed, args=(x, cr.checkpoint_context_fn)))
+    base = _base()
+    for i, (y, grad) in enumerate(out):
+        assert torch.equal(grad != 0, y != 0)
+        torch.manual_seed(base + i)
+        ref_y, ref_grad = _checkpointed(x, cr.checkpoint_context_fn)  # outside a replica: torch's own handling
+        assert torch.equal(y, ref_y) and torch.equal(grad, ref_grad)
+    assert not torch.equal(out[0][0], out[1][0])
