@@ -110,6 +110,8 @@ KEY: Any = None  # the dispatch key, once installed
 _AFTER: Any = None
 _EXCLUDE: Any = None
 _MODES = tuple(getattr(torch._C._TorchDispatchModeKey, k) for k in ("FAKE", "PROXY", "FUNCTIONAL"))
+_PYTHON = torch._C.DispatchKey.Python
+_CPU = torch.device("cpu")
 
 
 def replica_seed(base: int, replica_id: int) -> int:
@@ -210,9 +212,9 @@ def _recompute(snapshot: ReplicaStream) -> Iterator[None]:
 
 # ---------------------------------------------------------------------------- the kernels
 
-def _tracing() -> bool:
+def _tracing(keyset: Any) -> bool:
     """True while torch.compile / export trace (fake, proxy or functional tensors)."""
-    return any(torch._C._get_dispatch_mode(m) is not None for m in _MODES)
+    return keyset.has(_PYTHON) and any(torch._C._get_dispatch_mode(m) is not None for m in _MODES)
 
 
 def _device_of(args: tuple, kwargs: dict) -> torch.device:
@@ -223,7 +225,7 @@ def _device_of(args: tuple, kwargs: dict) -> torch.device:
         if isinstance(a, torch.Tensor):
             return a.device
     d = kwargs.get("device")
-    return torch.device(d) if d is not None else torch.device("cpu")
+    return torch.device(d) if d is not None else _CPU
 
 
 def _default_generator(device: torch.device) -> torch.Generator | None:
@@ -235,54 +237,64 @@ def _default_generator(device: torch.device) -> torch.Generator | None:
     return None
 
 
-def _stream_generator(args: tuple, kwargs: dict) -> torch.Generator | None:
+def _stream_generator(keyset: Any, args: tuple, kwargs: dict) -> torch.Generator | None:
     stream = _local.stream
-    if stream is None or _tracing():
+    if stream is None or _tracing(keyset):
         return None
     return stream.generator(_device_of(args, kwargs))
 
 
 def _inject(op: Any, index: int, name: str, kwarg_only: bool) -> Callable[..., Any]:
     """The kernel of an overload with a generator argument: fills it in when it is None."""
+    redispatch = op._handle.redispatch_boxed  # OpOverload.redispatch without its Python frame
+
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         if not kwarg_only and len(args) > index:
             if args[index] is None:
-                g = _stream_generator(args, kwargs)
+                g = _stream_generator(keyset, args, kwargs)
                 if g is not None:
                     args = (*args[:index], g, *args[index + 1:])
         elif kwargs.get(name) is None:
-            g = _stream_generator(args, kwargs)
+            g = _stream_generator(keyset, args, kwargs)
             if g is not None:
                 kwargs[name] = g
-        return op.redispatch(keyset & _AFTER, *args, **kwargs)
+        return redispatch(keyset & _AFTER, *args, **kwargs)
     return kernel
 
 
 def _reroute(op: Any, twin: Any, name: str) -> Callable[..., Any]:
-    """The kernel of an overload without a generator argument: calls its ``generator=`` twin."""
+    """The kernel of an overload without a generator argument: calls its ``generator=`` twin.
+
+    The twin's composite passes the generator on to the ops it calls (``rand`` -> ``uniform_``),
+    so they need not come through the key again (a Python call each)."""
+    redispatch, twin_redispatch = op._handle.redispatch_boxed, twin._handle.redispatch_boxed
+
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-        g = _stream_generator(args, kwargs)
+        g = _stream_generator(keyset, args, kwargs)
         if g is None:
-            return op.redispatch(keyset & _AFTER, *args, **kwargs)
+            return redispatch(keyset & _AFTER, *args, **kwargs)
         kwargs[name] = g
-        return twin.redispatch(keyset & _AFTER, *args, **kwargs)
+        with torch._C._ExcludeDispatchKeyGuard(_EXCLUDE):
+            return twin_redispatch(keyset & _AFTER, *args, **kwargs)
     return kernel
 
 
 def _swap(op: Any, draws: Callable[[tuple, dict], bool]) -> Callable[..., Any]:
     """The kernel of an op that draws from the default generator with no way to pass one: it runs
     with the device's default generator holding the replica's state (under a lock)."""
+    redispatch = op._handle.redispatch_boxed
+
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-        g = _stream_generator(args, kwargs) if draws(args, kwargs) else None
+        g = _stream_generator(keyset, args, kwargs) if draws(args, kwargs) else None
         default = _default_generator(_device_of(args, kwargs)) if g is not None else None
         if default is None:
-            return op.redispatch(keyset & _AFTER, *args, **kwargs)
+            return redispatch(keyset & _AFTER, *args, **kwargs)
         with _swap_lock:
             saved = default.get_state()
             default.set_state(g.get_state())  # type: ignore[union-attr]
             try:
                 with torch._C._ExcludeDispatchKeyGuard(_EXCLUDE):  # ops inside draw from the default
-                    return op.redispatch(keyset & _AFTER, *args, **kwargs)
+                    return redispatch(keyset & _AFTER, *args, **kwargs)
             finally:
                 g.set_state(default.get_state())  # type: ignore[union-attr]
                 default.set_state(saved)
