@@ -13,6 +13,10 @@ Part 2: the demo's model (digits MLP 64-128-128-10, global batch 64) on 1, 2
 and 4 replicas (intra-op threads = cores // replicas) against plain torch on
 one device with every core.
 
+Part 3: the demo step on 2 replicas with per-replica random streams (the
+default) and without (``strategy.extended.random_streams = False``), to show
+what routing random ops to each replica's stream costs (docs/fidelity.md).
+
 Variants are measured side by side, interleaved round by round, in the same
 process; the tables give the median ms per step and the ratio to the baseline.
 On a shared machine the baseline's two OpenMP threads suffer most from other

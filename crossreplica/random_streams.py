@@ -6,7 +6,7 @@ replica 1 swap dropout masks from run to run). Instead every ``run`` gives each
 replica its own stream, a documented function of the caller's seed and of the
 replica's global id, the same on every strategy and engine:
 
-    base = torch.randint(0, 2**63 - 1, ()).item()   # drawn once per run, in the caller's thread
+    base = torch.randint(0, 2**63 - 1, (), device="cpu").item()  # once per run, in the caller's thread
     seed(i) = base + i                              # replica i runs as after torch.manual_seed(seed(i))
 
 ``base`` comes from the caller's default CPU generator (advancing it by that one
