@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["KEY", "ReplicaStream", "checkpoint_context_fn", "draw_base", "entered", "replica_generator",
+__all__ = ["ReplicaStream", "checkpoint_context_fn", "draw_base", "entered", "replica_generator",
            "replica_seed", "replica_stream", "suspended"]
 
 #: Upper bound (exclusive) of the per-run draw ``base``.
@@ -112,6 +112,7 @@ _EXCLUDE: Any = None
 _MODES = tuple(getattr(torch._C._TorchDispatchModeKey, k) for k in ("FAKE", "PROXY", "FUNCTIONAL"))
 _PYTHON = torch._C.DispatchKey.Python
 _CPU = torch.device("cpu")
+_NOTHING = contextlib.nullcontext()
 
 
 def replica_seed(base: int, replica_id: int) -> int:
@@ -144,9 +145,6 @@ def replica_stream(base: int | None, replica_id: int) -> contextlib.AbstractCont
     return _NOTHING if base is None else entered(replica_seed(base, replica_id))
 
 
-_NOTHING = contextlib.nullcontext()
-
-
 @contextlib.contextmanager
 def suspended() -> Iterator[None]:
     """Draws in the body use torch's default generators (the caller's stream): merge_fn's rule."""
@@ -165,7 +163,11 @@ def replica_generator(device: str | torch.device = "cpu") -> torch.Generator:
     only: ``replica_generator().get_state()`` / ``set_state(...)`` save and restore
     the replica's CPU stream (``torch.get_rng_state`` would read the caller's).
     """
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch.device or a device string such as 'cpu' or 'cuda:0'; "
+                         f"got {device!r}") from None
     stream = _local.stream
     g = stream.generator(dev) if stream is not None else None
     if g is not None:
@@ -193,9 +195,12 @@ def checkpoint_context_fn() -> tuple[contextlib.AbstractContextManager[Any], con
 
 def _copy(stream: ReplicaStream) -> ReplicaStream:
     out = ReplicaStream(stream.seed)
+    copies: dict[int, torch.Generator] = {}  # "cuda" and "cuda:0" may name one generator
     for device, g in stream._gens.items():
-        out._gens[device] = torch.Generator(device=g.device)
-        out._gens[device].set_state(g.get_state())
+        if id(g) not in copies:
+            copies[id(g)] = torch.Generator(device=g.device)
+            copies[id(g)].set_state(g.get_state())
+        out._gens[device] = copies[id(g)]
     return out
 
 
@@ -325,6 +330,7 @@ def _dropout_p_draws(op: Any) -> Callable[[tuple, dict], bool]:
 _SWAPPED: dict[str, Callable[[Any], Callable[[tuple, dict], bool]]] = {
     "native_dropout": _native_dropout_draws,
     "_scaled_dot_product_flash_attention": _dropout_p_draws,
+    "_scaled_dot_product_flash_attention_for_cpu": _dropout_p_draws,
     "_scaled_dot_product_efficient_attention": _dropout_p_draws,
     "_scaled_dot_product_cudnn_attention": _dropout_p_draws,
     "_scaled_dot_product_fused_attention_overrideable": _dropout_p_draws,

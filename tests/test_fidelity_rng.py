@@ -193,6 +193,8 @@ def test_replica_generator_saves_and_restores_the_replica_stream():
     assert cr.replica_generator() is torch.default_generator  # ...and outside a replica it is the default
     with pytest.raises(ValueError, match="device must be a device with a random generator"):
         cr.replica_generator("meta")
+    with pytest.raises(ValueError, match="device must be a torch.device or a device string"):
+        cr.replica_generator("gpu7")
 
 
 @torch.compile
