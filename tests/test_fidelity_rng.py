@@ -147,21 +147,34 @@ def _merge_draw():
     return before, merged
 
 
-def test_merge_fn_and_caller_use_the_caller_generator():
-    """merge_fn runs in cross-replica context: it draws from the caller's generator, right after
-    the run's one draw; after the run the caller's stream has advanced by that draw (and merge_fn's)."""
-    strategy = cr.MirroredStrategy(num_replicas=2)
+def _merge_main(strategy):
     torch.manual_seed(SEED)
     out = strategy.experimental_local_results(strategy.run(_merge_draw))
-    after = torch.rand(4)
+    ids = strategy.extended.local_replica_ids
+    return [(i, before, merged) for i, (before, merged) in zip(ids, out)], torch.rand(4)
+
+
+def _check_merge(results, caller_after):
+    """merge_fn runs in cross-replica context: it draws from the caller's generator, right after
+    the run's one draw; after the run the caller's stream has advanced by that draw (and merge_fn's)."""
     torch.manual_seed(SEED)
     base = torch.randint(0, 2**63 - 1, ()).item()
-    merged, caller_after = torch.rand(3), torch.rand(4)
-    for i, (before, m) in enumerate(out):
+    merged, after = torch.rand(3), torch.rand(4)
+    for i, before, m in results:
         torch.manual_seed(base + i)
         assert torch.equal(before, torch.rand(2))
         assert torch.equal(m, merged)
-    assert torch.equal(after, caller_after)
+    assert torch.equal(caller_after, after)
+
+
+def test_merge_fn_and_caller_use_the_caller_generator():
+    _check_merge(*_merge_main(cr.MirroredStrategy(num_replicas=2)))
+
+
+@pytest.mark.multiprocess
+def test_merge_fn_uses_the_caller_generator_on_every_worker():
+    for results, caller_after in run_workers(_merge_main, 2, replicas_per_worker=2):
+        _check_merge(results, caller_after)
 
 
 def test_streams_off_share_the_default_generator():
