@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 import crossreplica as cr
 from crossreplica.testing import run_workers
@@ -241,7 +242,6 @@ def _masked(x):
 
 
 def _checkpointed(x, context_fn):
-    from torch.utils.checkpoint import checkpoint
     x = x.detach().requires_grad_()
     y = checkpoint(_masked, x, use_reentrant=False, context_fn=context_fn)
     y.sum().backward()
