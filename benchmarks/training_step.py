@@ -20,6 +20,10 @@ BatchNorm1d after each hidden layer, global batch 64, one step per
 ``sync_buffers="broadcast"`` (the default) and ``"mean"`` against ``None`` (no
 sync, the copies drift apart).
 
+Part 4: the demo step on 2 replicas with per-replica random streams (the
+default) and without (``strategy.extended.random_streams = False``), to show
+what routing random ops to each replica's stream costs (docs/fidelity.md).
+
 Variants are measured side by side, interleaved round by round, in the same
 process; the tables give the median ms per step and the ratio to the baseline.
 On a shared machine the baseline's two OpenMP threads suffer most from other
@@ -186,6 +190,18 @@ def buffer_sync_part(xb: torch.Tensor, yb: torch.Tensor, cores: int, rounds: int
               measure({k: timed(fn, cpu[k]) for k, fn in variants.items()}, rounds, steps), base_name)
         # the first entry is measure()'s warm-up
         table(title + ": CPU time of the process (every thread)", {k: ts[1:] for k, ts in cpu.items()}, base_name)
+def random_stream_table(x: torch.Tensor, y: torch.Tensor, cores: int, rounds: int, steps: int) -> None:
+    """Part 4: the demo step on 2 replicas with per-replica random streams (the default) and without
+    (``extended.random_streams = False``): what the routing of random ops costs."""
+    threads = max(1, cores // 2)
+    variants = {}
+    for on in (False, True):
+        run, s, _ = strategy_runner(demo.make_model(), x, y, 2, threads, steps)
+        s.extended.random_streams = on
+        variants[f"MirroredStrategy, 2 replicas, random_streams={on}"] = run
+    times = measure(variants, rounds, steps)
+    table(f"per-replica random streams on the demo step (2 replicas x {threads} intra-op thread(s)); "
+          f"{rounds} rounds x {steps} steps, interleaved", times, "MirroredStrategy, 2 replicas, random_streams=False")
 
 
 def main() -> None:
@@ -251,6 +267,7 @@ def main() -> None:
           f"{args.demo_steps} steps, interleaved", demo_times, base_name)
 
     buffer_sync_part(xb, yb, cores, args.rounds, args.demo_steps)
+    random_stream_table(xb, yb, cores, args.rounds, args.demo_steps)
     torch.set_num_threads(saved)
     if not args.no_plot:
         plot_training_step(mlp_times, mlp_base, demo_times, base_name, replicas_of, args.plot,

@@ -16,6 +16,7 @@ from .context import (ReplicaContext, get_replica_context, get_strategy, has_str
 from .errors import (CollectiveMismatchError, CollectiveTimeoutError, ReplicaContextError,
                      ReplicaError)
 from .groups import Mesh, canonical_groups, contiguous_groups, strided_groups
+from .random_streams import checkpoint_context_fn, replica_generator
 from .reduce_op import ReduceOp
 from .strategies import (MirroredStrategy, MultiStepContext, MultiWorkerMirroredStrategy, OneDeviceStrategy,
                          Strategy)
@@ -45,4 +46,5 @@ __all__ = [
     "CrossDeviceOps", "ReductionToOneDevice", "AllReduceCrossDeviceOps", "CommunicationOptions",
     "InputContext", "ValueContext", "MultiStepContext", "CrossShardOptimizer", "nn",
     "Variable", "VariableSynchronization", "VariableAggregation",
+    "replica_generator", "checkpoint_context_fn",
 ]

@@ -24,6 +24,7 @@ from ..engines.base import MERGE_CALL, Engine, check_agreement
 from ..engines.reduction import reduce_into
 from ..engines.sparse import reduce_coo_tensors
 from ..errors import ReplicaContextError, summarize
+from ..random_streams import draw_base, replica_stream, suspended
 from ..reduce_op import ReduceOp, from_wire, to_wire
 from ..values import (
     DistributedValues,
@@ -48,6 +49,11 @@ __all__ = ["StrategyExtended"]
 
 class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
     """The strategy's machinery: devices, engine, replica threads, merge_call."""
+
+    #: Whether each replica draws from its own random stream (seeded from the caller's
+    #: generator and the replica id; docs/fidelity.md, "Random numbers"). Set False to let
+    #: replicas share torch's default generators, as plain threads would.
+    random_streams: bool = True
 
     def __init__(self, container: "Strategy", devices: Sequence[torch.device], engine: Engine,
                  cross_device_ops: CrossDeviceOps | None = None):
@@ -132,6 +138,8 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
         # ...): each replica thread runs under it, as the caller's thread would.
         state = torch_state.capture()
         buffer_sync = self.mirrored_buffers.for_run(self.num_replicas_in_sync, len(ids))
+        # One draw from the caller's generator per run; replica i's stream is seeded from it and i.
+        base = draw_base() if self.random_streams else None
         engine.begin_run()
 
         def body(i: int) -> Any:
@@ -139,7 +147,7 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
             a, kw = select_replica(i, args), select_replica(i, kwargs)
             context.push(strategy, rctx)
             try:
-                with torch_state.applied(state):
+                with torch_state.applied(state), replica_stream(base, ids[i]):
                     if devices[i].type == "cuda":
                         with torch.cuda.device(devices[i]):
                             out = fn(*a, **kw)
@@ -180,7 +188,8 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
             check_agreement(calls, self.local_replica_ids)
             merge_args = regroup(tuple(p[1] for p in payloads), always_wrap=self.always_wrap)
             merge_kwargs = regroup(tuple(p[2] for p in payloads), always_wrap=self.always_wrap)
-            with context.frame(strategy, None):
+            # cross-replica context: draws use the caller's (default) generators, not a replica's
+            with context.frame(strategy, None), suspended():
                 return payloads[0][0](strategy, *merge_args, **merge_kwargs)
 
         result = self.engine.exchange_objects(rctx.replica_id_in_sync_group, MERGE_CALL,
