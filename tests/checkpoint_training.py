@@ -153,6 +153,9 @@ def reference(schedule: list[int], noise: bool = True) -> dict[str, Any]:
     torch.manual_seed(1000)
     for n in schedule:
         x, y = batch(state)
+        # strategy.run's one draw from the caller's generator (the replicas' stream base,
+        # docs/fidelity.md "Random numbers"): the next batch's torch.rand sees it.
+        torch.randint(0, 2**63 - 1, ())
         grads = []
         for r, (xr, yr) in enumerate(zip(torch.tensor_split(x, n), torch.tensor_split(y, n))):
             if noise:
