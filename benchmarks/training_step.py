@@ -20,9 +20,12 @@ BatchNorm1d after each hidden layer, global batch 64, one step per
 ``sync_buffers="broadcast"`` (the default) and ``"mean"`` against ``None`` (no
 sync, the copies drift apart).
 
-Part 4: the demo step on 2 replicas with per-replica random streams (the
-default) and without (``strategy.extended.random_streams = False``), to show
-what routing random ops to each replica's stream costs (docs/fidelity.md).
+Part 4: the demo step on 2 replicas, one step per ``strategy.run``, with
+per-replica random streams (the default) and without
+(``strategy.extended.random_streams = False``), and the per-run cost of
+carrying the caller's torch state (grad mode, autocast, default device, ...)
+into the replicas: with part 3, the cost of what makes replicas see the same
+numbers as one device (docs/fidelity.md).
 
 Variants are measured side by side, interleaved round by round, in the same
 process; the tables give the median ms per step and the ratio to the baseline.
@@ -57,6 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _plot import SMOKE_NOTE, add_plot_arguments, plot_training_step
 
 import crossreplica as cr
+from crossreplica import torch_state
 from crossreplica import demo
 
 
@@ -190,18 +194,34 @@ def buffer_sync_part(xb: torch.Tensor, yb: torch.Tensor, cores: int, rounds: int
               measure({k: timed(fn, cpu[k]) for k, fn in variants.items()}, rounds, steps), base_name)
         # the first entry is measure()'s warm-up
         table(title + ": CPU time of the process (every thread)", {k: ts[1:] for k, ts in cpu.items()}, base_name)
+
+
 def random_stream_table(x: torch.Tensor, y: torch.Tensor, cores: int, rounds: int, steps: int) -> None:
-    """Part 4: the demo step on 2 replicas with per-replica random streams (the default) and without
-    (``extended.random_streams = False``): what the routing of random ops costs."""
+    """Part 4: the demo step on 2 replicas, one step per ``strategy.run`` (so per-run costs are
+    not amortised), with per-replica random streams (the default) and without
+    (``extended.random_streams = False``); then what carrying the caller's torch state into
+    the replicas costs per run (``torch_state.capture`` + ``applied``, timed alone)."""
     threads = max(1, cores // 2)
     variants = {}
     for on in (False, True):
-        run, s, _ = strategy_runner(demo.make_model(), x, y, 2, threads, steps)
+        run, s, _ = strategy_runner(demo.make_model(), x, y, 2, threads, 1)
         s.extended.random_streams = on
-        variants[f"MirroredStrategy, 2 replicas, random_streams={on}"] = run
+        variants[f"MirroredStrategy, 2 replicas, random_streams={on}"] = (
+            lambda run=run: [run() for _ in range(steps)] and None)
+    base_name = "MirroredStrategy, 2 replicas, random_streams=False"
     times = measure(variants, rounds, steps)
-    table(f"per-replica random streams on the demo step (2 replicas x {threads} intra-op thread(s)); "
-          f"{rounds} rounds x {steps} steps, interleaved", times, "MirroredStrategy, 2 replicas, random_streams=False")
+    table(f"per-replica random streams on the demo step (2 replicas x {threads} intra-op thread(s), one step "
+          f"per run); {rounds} rounds x {steps} steps, interleaved", times, base_name)
+    reps = 2000
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        with torch_state.applied(torch_state.capture()):
+            pass
+    per_run = (time.perf_counter() - t0) / reps
+    step = statistics.median(times[base_name])
+    print(f"caller's torch state carried into the replicas (capture once, apply per replica): "
+          f"{per_run * 1e6:.1f} us per capture+apply, {2 * per_run / step * 100:.2f}% of the step "
+          f"for 2 replicas\n")
 
 
 def main() -> None:
