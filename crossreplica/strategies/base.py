@@ -23,8 +23,8 @@ from ..errors import ReplicaContextError, summarize
 from ..logs import SharedModuleWarning
 from ..reduce_op import WIRE_DTYPES, ReduceOp, check_dtype, from_wire, reduce_non_distributed_value, to_wire
 from ..values import DistributedValues, Mirrored, regroup, select_replica
-from .buffers import check_policy
 from ..variables import Variable
+from .buffers import check_policy
 from .extended import StrategyExtended
 from .logical_devices import LogicalDeviceMethods
 from .steps import run_steps

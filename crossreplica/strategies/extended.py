@@ -34,8 +34,8 @@ from ..values import (
     select_replica,
     select_replica_mirrored,
 )
-from .buffers import MirroredBuffers
 from ..variables import Variable
+from .buffers import MirroredBuffers
 from .logical_devices import LogicalDeviceExtended
 from .replica_threads import ReplicaThreads, raise_first_failure
 from .steps import MultiStepContext, run_steps_on_iterator
