@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=_positive_int, default=d.batch_size,
                        help=f"global batch size, split over the replicas (default {d.batch_size})")
     train.add_argument("--lr", type=_positive_float, default=d.lr, help=f"SGD learning rate (default {d.lr})")
+    train.add_argument("--dropout", type=float, default=d.dropout,
+                       help="dropout after each hidden layer, in [0, 1): each replica draws its masks from "
+                            f"its own random stream (default {d.dropout})")
     train.add_argument("--seed", type=int, default=d.seed, help=f"data split, shuffling and init (default {d.seed})")
     train.add_argument("--no-progress", action="store_true",
                        help="no progress bar (when stderr is not a terminal there is none anyway: "
@@ -94,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace) -> int:
     config = TrainConfig(replicas=args.replicas, strategy=args.strategy, epochs=args.epochs,
-                         batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                         batch_size=args.batch_size, lr=args.lr, dropout=args.dropout, seed=args.seed,
                          progress=not args.no_progress, compare=not args.no_compare,
                          replicas_per_worker=args.replicas_per_worker)
     result = train(config)

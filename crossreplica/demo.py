@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .arguments import check_int, check_number
+from .data import split_batch
 from .optim import CrossShardOptimizer
 from .strategies import MirroredStrategy, MultiWorkerMirroredStrategy, OneDeviceStrategy, Strategy
 
@@ -47,6 +48,7 @@ class TrainConfig:
     lr: float = 0.05
     momentum: float = 0.9
     hidden: int = 128
+    dropout: float = 0.0  # after each hidden layer; replicas draw from their own random streams
     seed: int = 0
     progress: bool = True
     compare: bool = True
@@ -57,6 +59,9 @@ class TrainConfig:
         for name in ("replicas", "epochs", "batch_size", "hidden", "replicas_per_worker"):
             check_int(getattr(self, name), name, low=1)
         check_number(self.lr, "lr", positive=True)
+        check_number(self.dropout, "dropout")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1); got {self.dropout!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}; got {self.strategy!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
@@ -128,12 +133,15 @@ def load_digits(seed: int = 0, test_fraction: float = 0.2) -> tuple[torch.Tensor
     return x[train], y[train], x[test], y[test]
 
 
-def make_model(hidden: int = 128, seed: int = 0) -> nn.Module:
-    """The MLP classifier, 64 -> hidden -> hidden -> 10, initialised from ``seed``."""
+def make_model(hidden: int = 128, seed: int = 0, dropout: float = 0.0) -> nn.Module:
+    """The MLP classifier, 64 -> hidden -> hidden -> 10, initialised from ``seed``; with
+    ``dropout`` > 0 a dropout layer follows each hidden layer."""
+    def drop() -> list[nn.Module]:
+        return [nn.Dropout(dropout)] if dropout > 0 else []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                             nn.Linear(hidden, 10))
+        return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), *drop(), nn.Linear(hidden, hidden), nn.ReLU(),
+                             *drop(), nn.Linear(hidden, 10))
 
 
 def global_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, epoch: int,
@@ -162,10 +170,14 @@ def _train_step(model: nn.Module, opt: CrossShardOptimizer, batch: Any) -> torch
 
 def _eval_step(model: nn.Module, batch: Any) -> torch.Tensor:
     x, y = batch
-    with torch.no_grad():
-        logits = model(x)
-        return torch.stack([F.cross_entropy(logits, y, reduction="sum"),
-                            (logits.argmax(1) == y).sum().to(logits.dtype), torch.tensor(float(x.shape[0]))])
+    model.eval()  # no dropout while evaluating
+    try:
+        with torch.no_grad():
+            logits = model(x)
+            return torch.stack([F.cross_entropy(logits, y, reduction="sum"),
+                                (logits.argmax(1) == y).sum().to(logits.dtype), torch.tensor(float(x.shape[0]))])
+    finally:
+        model.train()
 
 
 def _cores() -> int:
@@ -189,7 +201,7 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
         config = dataclasses.replace(config, replicas=1)
     log = log or (lambda s: None)
     x_train, y_train, x_test, y_test = load_digits(config.seed)
-    initial = make_model(config.hidden, config.seed)
+    initial = make_model(config.hidden, config.seed, config.dropout)
     net = copy.deepcopy(initial)
     strategy = make_strategy(config)
     n = strategy.num_replicas_in_sync
@@ -199,8 +211,11 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
         config = dataclasses.replace(config, progress=False)
     log(f"crossreplica train: {config.strategy} strategy, {n} replica(s) in sync, {config.epochs} "
         f"epochs, global batch {config.batch_size}, lr {config.lr}, seed {config.seed}")
-    saved_threads = torch.get_num_threads()
+    saved_threads, saved_rng = torch.get_num_threads(), torch.get_rng_state()
     torch.set_num_threads(config.threads or max(1, _cores() // n))
+    # Every strategy.run draws the replicas' stream base from this generator
+    # (docs/fidelity.md, "Random numbers"); train_reference makes the same draws.
+    torch.manual_seed(config.seed)
     bar = _progress(config)
     history = []
     try:
@@ -234,13 +249,14 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
         seconds = time.perf_counter() - start
     finally:
         torch.set_num_threads(saved_threads)
+        torch.set_rng_state(saved_rng)
     copies = strategy.experimental_local_results(model)
     identical = all(torch.equal(a, b) for m in copies[1:]
                     for a, b in zip(copies[0].state_dict().values(), m.state_dict().values()))
     result = TrainResult(config, history, seconds, identical, model=copies[0], chief=chief)
     if config.compare:
         t0 = time.perf_counter()
-        reference = train_reference(config, copy.deepcopy(initial), x_train, y_train)
+        reference = train_reference(config, copy.deepcopy(initial), x_train, y_train, n)
         result.reference_seconds = time.perf_counter() - t0
         result.max_abs_param_diff = max(
             (a - b).abs().max().item() for a, b in zip(copies[0].parameters(), reference.parameters()))
@@ -249,15 +265,45 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
     return result
 
 
-def train_reference(config: TrainConfig, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> nn.Module:
-    """The same training on one device with plain torch: the whole global batch at once."""
+def train_reference(config: TrainConfig, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                    replicas: int = 1) -> nn.Module:
+    """The same training on one device with plain torch: the whole global batch at once.
+
+    With dropout, each replica's rows are drawn as the library's rule says
+    (docs/fidelity.md, "Random numbers"): every ``strategy.run`` of :func:`train` makes
+    one draw ``base`` from the seeded generator, and replica ``i`` then draws as after
+    ``torch.manual_seed(base + i)``; the loss is the global batch's mean over the
+    replicas' parts (split as ``strategy.distribute_dataset`` splits them).
+    """
     opt = _make_optimizer(model, config)
-    for epoch in range(1, config.epochs + 1):
-        for xb, yb in global_batches(x, y, config.batch_size, epoch, config.seed):
-            opt.zero_grad()
-            F.cross_entropy(model(xb), yb).backward()
-            opt.step()
+    caller = torch.Generator().manual_seed(config.seed)  # the generator train()'s runs draw from
+    with torch.random.fork_rng(devices=[]):
+        _draw(caller)  # the run that builds the optimizers
+        for epoch in range(1, config.epochs + 1):
+            for xb, yb in global_batches(x, y, config.batch_size, epoch, config.seed):
+                opt.zero_grad()
+                base = _draw(caller)  # this step's run
+                if config.dropout == 0:
+                    F.cross_entropy(model(xb), yb).backward()
+                else:
+                    parts = split_batch((xb, yb), replicas)
+                    losses = [_replica_loss(model, part, base + i) for i, part in enumerate(parts)]
+                    (torch.stack(losses).sum() / xb.shape[0]).backward()
+                opt.step()
+            _draw(caller)  # the evaluation run
     return model
+
+
+def _draw(caller: torch.Generator) -> int:
+    """The draw each strategy.run makes from the caller's generator."""
+    return int(torch.randint(0, 2**63 - 1, (), generator=caller).item())
+
+
+def _replica_loss(model: nn.Module, part: Any, seed: int) -> torch.Tensor:
+    """Replica ``i``'s summed loss, drawing its dropout masks as after ``manual_seed(seed)``."""
+    torch.manual_seed(seed)
+    px, py = part
+    return F.cross_entropy(model(px), py, reduction="sum")
 
 
 def _progress(config: TrainConfig) -> Callable[[Any, int, int], Any]:

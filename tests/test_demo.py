@@ -5,9 +5,13 @@ import pytest
 from crossreplica import cli, demo
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
 @pytest.mark.parametrize("strategy,replicas", [("mirrored", 4), ("mirrored", 3), ("one_device", 1)])
-def test_train_matches_one_device(strategy, replicas):
-    config = demo.TrainConfig(replicas=replicas, strategy=strategy, epochs=2, progress=False)
+def test_train_matches_one_device(strategy, replicas, dropout):
+    # With dropout, the one-device reference draws each replica's masks by the documented
+    # rule (replica i as after torch.manual_seed(base + i)): the same numbers, not just the
+    # same statistics.
+    config = demo.TrainConfig(replicas=replicas, strategy=strategy, epochs=2, dropout=dropout, progress=False)
     result = demo.train(config, log=None)
     assert len(result.history) == 2
     assert result.replicas_identical
@@ -58,6 +62,8 @@ def test_config_validation():
         demo.train(demo.TrainConfig(replicas=0), log=None)
     with pytest.raises(ValueError, match="strategy must be one of"):
         demo.train(demo.TrainConfig(strategy="tpu"), log=None)
+    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\); got 1.0"):
+        demo.train(demo.TrainConfig(dropout=1.0), log=None)
 
 
 def test_multi_worker_without_launcher_is_one_worker():
@@ -74,8 +80,10 @@ def test_multi_worker_without_launcher_is_one_worker():
 
 
 @pytest.mark.multiprocess
-def test_cli_train_multi_worker_under_torchrun():
-    """The README's two-process command: torchrun, 2 workers, the chief reports once."""
+@pytest.mark.parametrize("extra", [[], ["--dropout", "0.2"]], ids=["plain", "dropout"])
+def test_cli_train_multi_worker_under_torchrun(extra):
+    """The README's two-process command: torchrun, 2 workers, the chief reports once; with
+    dropout, each worker's replica draws from its own stream and still matches one device."""
     import os
     import re
     import signal
@@ -88,7 +96,7 @@ def test_cli_train_multi_worker_under_torchrun():
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "crossreplica.cli",
-           "train", "--strategy", "multi_worker", "--epochs", "2", "--no-progress"]
+           "train", "--strategy", "multi_worker", "--epochs", "2", "--no-progress", *extra]
     proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
