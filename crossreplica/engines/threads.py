@@ -66,14 +66,12 @@ _NO_PAYLOADS: list[Any] = []  # a finished plan's: never read, never written
 class _Plan:
     """What the leader hands out: finished outputs, or work for every replica."""
 
-    __slots__ = ("calls", "copy", "outputs", "parallel", "payloads")
+    __slots__ = ("calls", "outputs", "parallel", "payloads")
 
     def __init__(self, outputs: list[Any], parallel: bool = False, calls: Sequence[Call] = (),
-                 payloads: list[Any] = _NO_PAYLOADS, copy: bool = False):
+                 payloads: list[Any] = _NO_PAYLOADS):
         self.outputs = outputs
         self.parallel = parallel
-        #: every replica takes a copy of its outputs (the leader's shared results)
-        self.copy = copy
         self.calls = calls  # parameters agree within a group only: each member uses its own
         self.payloads = payloads
 
@@ -117,15 +115,11 @@ class ThreadsEngine(Engine):
 
     def execute(self, replica_id: int, call: Call, tensors: list[torch.Tensor],
                 timeout: float | None = None) -> list[torch.Tensor]:
-        # On the small-message path the leader reduces once per group and every
-        # replica copies its own outputs from the shared result as it wakes: the
-        # copies leave the leader's critical path, and no replica's outputs alias
-        # another's (nor the result a replica copies from).
+        # Nothing here calls into torch: on the small-message path only the leader
+        # runs kernels, so the replica threads never fight over the GIL.
         i = self._index[replica_id]
         plan = self.rendezvous.exchange(i, call, tensors, self._lead, timeout)
         if not plan.parallel:
-            if plan.copy:
-                return [o.clone() for o in plan.outputs[i]]
             return plan.outputs[i]
         try:
             out = self._part(plan, i)
@@ -204,14 +198,15 @@ class ThreadsEngine(Engine):
         leaves = range(len(call.shapes))
         for members in self._sorted_members(call.groups):
             op = calls[members[0]].params[0]
-            if self._one_device:  # every member copies the group's results (see execute)
-                accs = [reduced(op, [payloads[m][t] for m in members]) for t in leaves]
-                for m in members:
-                    outputs[m] = accs
-                continue
             per_member: list[list[torch.Tensor]] = [[] for _ in members]
             for t in leaves:
                 xs = [payloads[m][t] for m in members]
+                if self._one_device:
+                    acc = reduced(op, xs)
+                    per_member[0].append(acc)
+                    for outs in per_member[1:]:
+                        outs.append(acc.clone())
+                    continue
                 home = xs[0].device
                 acc = reduced(op, [x.to(home) for x in xs])
                 for outs, m in zip(per_member, members):
@@ -219,7 +214,7 @@ class ThreadsEngine(Engine):
                     outs.append(acc if not outs and target == home else acc.to(target, copy=True))
             for m, outs in zip(members, per_member):
                 outputs[m] = outs
-        return _Plan(outputs, copy=self._one_device)
+        return _Plan(outputs)
 
     def _all_reduce_share(self, call: Call, plan: _Plan, i: int) -> None:
         """Member ``j`` of a group reduces the ``j``-th share of every leaf for everyone."""
