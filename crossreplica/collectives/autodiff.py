@@ -107,7 +107,9 @@ class Collective(torch.autograd.Function):
 
     @staticmethod
     def forward(rctx, kind, groups, params, *xs):  # type: ignore[override]
-        return tuple(raw(rctx, kind, groups, params, list(xs)))
+        # An engine may return views of one buffer (small all-reduces, packed transfers);
+        # autograd forbids modifying in place a view made inside a Function, so those are copied.
+        return tuple([o.clone() if o._base is not None else o for o in raw(rctx, kind, groups, params, list(xs))])
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # type: ignore[override]
