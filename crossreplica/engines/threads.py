@@ -62,15 +62,18 @@ _CORES = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
 
 # A small all-reduce's outputs are the rows of one buffer when it holds at most
 # this many bytes (every member's copy): a replica that keeps its output keeps
-# the whole buffer alive, so large results get an allocation each.
+# the whole buffer alive, so large results get an allocation each. With fewer
+# than SHARED_ROWS_MEMBERS members a copy each costs fewer torch calls (the
+# test suite lowers it so that both forms run).
 SHARED_ROWS_BYTES = 1024 * 1024
+SHARED_ROWS_MEMBERS = int(os.environ.get("CROSSREPLICA_SHARED_ROWS_MEMBERS", "8"))
 
 
 def _shares_rows(xs: list[torch.Tensor]) -> bool:
-    """Whether the outputs of reducing ``xs`` (two or more) go into rows of one buffer:
+    """Whether the outputs of reducing ``xs`` go into rows of one buffer: enough members,
     small enough, and contiguous (as the result of reducing ``xs`` itself would be)."""
     x = xs[0]
-    return (len(xs) > 1 and x.numel() * x.element_size() * len(xs) <= SHARED_ROWS_BYTES
+    return (len(xs) >= SHARED_ROWS_MEMBERS and x.numel() * x.element_size() * len(xs) <= SHARED_ROWS_BYTES
             and x.is_contiguous() and xs[1].is_contiguous())
 
 
