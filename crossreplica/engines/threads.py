@@ -7,6 +7,13 @@ replica executes on its own share, followed by a completion barrier (large
 payloads: the work and the memory traffic are spread over the threads, which
 run in parallel because torch kernels release the GIL).
 
+On the small path every replica thread's Python work is serialised by the GIL,
+so the leader keeps its torch calls per replica few: a reduction's steps are one
+foreach call (``reduction.py``), and from ``SHARED_ROWS_MEMBERS`` members on
+the outputs are the rows of one buffer (one fill, no allocation per replica;
+each replica's row is its own). Work moved to the replicas themselves costs
+more than it saves: each torch call there hands the GIL to another thread.
+
 All-reduce in parallel mode is reduce-scatter then gather in one pass: the
 member at position ``j`` of a group reduces the ``j``-th share of every leaf,
 in ascending replica id, block by block so the partial sum stays in cache, and
