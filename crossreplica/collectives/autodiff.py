@@ -45,7 +45,7 @@ from ..engines.wire import execute_on_wire
 from ..groups import Groups, group_of
 from ..reduce_op import ReduceOp
 
-__all__ = ["Collective", "Run", "dual", "execute", "gather_sizes", "raw"]
+__all__ = ["Collective", "Run", "dual", "execute", "execute_one", "gather_sizes", "raw"]
 
 #: ``run(kind, groups, params, tensors) -> outputs``: a differentiable collective call.
 Run = Callable[[Kind, Groups, tuple, list[torch.Tensor]], list[torch.Tensor]]
@@ -87,6 +87,13 @@ def execute(rctx: ReplicaContext, kind: Kind, groups: Groups, params: tuple,
     if _transforms_active() or (torch.is_grad_enabled() and _any_requires_grad(tensors)):
         return list(Collective.apply(rctx, kind, groups, params, *tensors))
     return raw(rctx, kind, groups, params, tensors)
+
+
+def execute_one(rctx: ReplicaContext, kind: Kind, groups: Groups, params: tuple, x: torch.Tensor) -> torch.Tensor:
+    """:func:`execute` of a collective with one tensor in and one out (the common call)."""
+    if _transforms_active() or (x.requires_grad and torch.is_grad_enabled()):
+        return Collective.apply(rctx, kind, groups, params, x)[0]
+    return raw(rctx, kind, groups, params, [x])[0]
 
 
 def _any_requires_grad(tensors: list[torch.Tensor]) -> bool:
