@@ -9,6 +9,9 @@ import os
 # threads engine's parallel path starts at 256 KiB per replica, so the suite's
 # "large" tensors (test_collectives.LARGE) take it without being slow.
 os.environ.setdefault("CROSSREPLICA_PARALLEL_BYTES", str(256 * 1024))
+# Its small all-reduces write every member's output into rows of one buffer from
+# 3 members on (8 by default), so tests with 2 replicas take the other form.
+os.environ.setdefault("CROSSREPLICA_SHARED_ROWS_MEMBERS", "3")
 
 import pytest
 from harness import RUNNERS, STARTUP_SECONDS

@@ -45,7 +45,7 @@ from ..engines.wire import execute_on_wire
 from ..groups import Groups, group_of
 from ..reduce_op import ReduceOp
 
-__all__ = ["Collective", "Run", "dual", "execute", "gather_sizes", "raw"]
+__all__ = ["Collective", "Run", "dual", "execute", "execute_one", "gather_sizes", "raw"]
 
 #: ``run(kind, groups, params, tensors) -> outputs``: a differentiable collective call.
 Run = Callable[[Kind, Groups, tuple, list[torch.Tensor]], list[torch.Tensor]]
@@ -89,6 +89,13 @@ def execute(rctx: ReplicaContext, kind: Kind, groups: Groups, params: tuple,
     return raw(rctx, kind, groups, params, tensors)
 
 
+def execute_one(rctx: ReplicaContext, kind: Kind, groups: Groups, params: tuple, x: torch.Tensor) -> torch.Tensor:
+    """:func:`execute` of a collective with one tensor in and one out (the common call)."""
+    if _transforms_active() or (x.requires_grad and torch.is_grad_enabled()):
+        return Collective.apply(rctx, kind, groups, params, x)[0]
+    return raw(rctx, kind, groups, params, [x])[0]
+
+
 def _any_requires_grad(tensors: list[torch.Tensor]) -> bool:
     for t in tensors:  # noqa: SIM110 - a plain loop: any() over a generator costs more on the hot path
         if t.requires_grad:
@@ -107,7 +114,9 @@ class Collective(torch.autograd.Function):
 
     @staticmethod
     def forward(rctx, kind, groups, params, *xs):  # type: ignore[override]
-        return tuple(raw(rctx, kind, groups, params, list(xs)))
+        # An engine may return views of one buffer (small all-reduces, packed transfers);
+        # autograd forbids modifying in place a view made inside a Function, so those are copied.
+        return tuple([o.clone() if o._base is not None else o for o in raw(rctx, kind, groups, params, list(xs))])
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # type: ignore[override]

@@ -121,12 +121,13 @@ def _impl(kind: Kind):
 
 
 def _fresh(xs: list[torch.Tensor], outs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``outs``, with every output that is a view or shares storage with an input or an
-    earlier output replaced by a copy."""
+    """``outs``, with every output that is a view (or starts inside its storage) or shares
+    storage with an input or an earlier output replaced by a copy."""
     taken = {x.untyped_storage().data_ptr() for x in xs}
     fresh = []
     for out in outs:
-        if out._base is not None or out.untyped_storage().data_ptr() in taken:
+        # (a view made in inference mode has no _base; compiled code expects aligned outputs)
+        if out._base is not None or out.storage_offset() or out.untyped_storage().data_ptr() in taken:
             out = out.clone()
         taken.add(out.untyped_storage().data_ptr())
         fresh.append(out)

@@ -25,8 +25,7 @@ def reduce_into(op: ReduceOp, out: torch.Tensor, xs: Sequence[torch.Tensor]) -> 
         out.copy_(xs[0])
     else:
         _binary(op, xs[0], xs[1], out)
-        for x in xs[2:]:
-            _binary(op, out, x, out)
+        _fold(op, out, xs)
     if op is ReduceOp.MEAN:
         out.div_(len(xs))
     return out
@@ -39,11 +38,25 @@ def reduced(op: ReduceOp, xs: Sequence[torch.Tensor]) -> torch.Tensor:
     else:
         first = _FIRST[op] if xs[0].dtype != torch.bool else _FIRST_BOOL[op]
         out = first(xs[0], xs[1])
-        for x in xs[2:]:
-            _binary(op, out, x, out)
+        _fold(op, out, xs)
     if op is ReduceOp.MEAN:
         out.div_(len(xs))
     return out
+
+
+def _fold(op: ReduceOp, out: torch.Tensor, xs: Sequence[torch.Tensor]) -> None:
+    """``out = out (op) xs[2] (op) xs[3] ...``: the rest of a reduction, left to right."""
+    if len(xs) < 3:
+        return
+    # On the CPU a foreach op with ``out`` repeated is one call that applies the same
+    # in-place kernel to each operand in turn: the same bytes, without a Python call per
+    # replica. (Elsewhere a foreach op may run its operands concurrently.)
+    fold = _FOLD.get(op) if out.is_cpu and out.dtype != torch.bool else None
+    if fold is not None and not out.requires_grad:
+        fold([out] * (len(xs) - 2), list(xs[2:]))
+        return
+    for x in xs[2:]:
+        _binary(op, out, x, out)
 
 
 def _binary(op: ReduceOp, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
@@ -69,3 +82,8 @@ _FIRST: dict[ReduceOp, Callable[..., torch.Tensor]] = {
 _FIRST_BOOL: dict[ReduceOp, Callable[..., torch.Tensor]] = {
     ReduceOp.SUM: torch.logical_or, ReduceOp.MAX: torch.logical_or, ReduceOp.MEAN: torch.logical_or,
     ReduceOp.MIN: torch.logical_and, ReduceOp.PROD: torch.logical_and}
+
+# The in-place foreach form of each reduction's step (see :func:`_fold`).
+_FOLD: dict[ReduceOp, Callable[..., None]] = {
+    ReduceOp.SUM: torch._foreach_add_, ReduceOp.MEAN: torch._foreach_add_, ReduceOp.MAX: torch._foreach_maximum_,
+    ReduceOp.MIN: torch._foreach_minimum_, ReduceOp.PROD: torch._foreach_mul_}

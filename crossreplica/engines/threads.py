@@ -7,6 +7,13 @@ replica executes on its own share, followed by a completion barrier (large
 payloads: the work and the memory traffic are spread over the threads, which
 run in parallel because torch kernels release the GIL).
 
+On the small path every replica thread's Python work is serialised by the GIL,
+so the leader keeps its torch calls per replica few: a reduction's steps are one
+foreach call (``reduction.py``), and from ``SHARED_ROWS_MEMBERS`` members on
+the outputs are the rows of one buffer (one fill, no allocation per replica;
+each replica's row is its own). Work moved to the replicas themselves costs
+more than it saves: each torch call there hands the GIL to another thread.
+
 All-reduce in parallel mode is reduce-scatter then gather in one pass: the
 member at position ``j`` of a group reduces the ``j``-th share of every leaf,
 in ascending replica id, block by block so the partial sum stays in cache, and
@@ -58,6 +65,23 @@ PARALLEL_BYTES = int(os.environ.get("CROSSREPLICA_PARALLEL_BYTES", str(2 * 1024 
 BLOCK_BYTES = 4 * 1024 * 1024
 
 _CORES = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+
+# A small all-reduce's outputs are the rows of one buffer when it holds at most
+# this many bytes (every member's copy): a replica that keeps its output keeps
+# the whole buffer alive, so large results get an allocation each. With fewer
+# than SHARED_ROWS_MEMBERS members a copy each costs fewer torch calls (the
+# test suite lowers it so that both forms run).
+SHARED_ROWS_BYTES = 1024 * 1024
+SHARED_ROWS_MEMBERS = int(os.environ.get("CROSSREPLICA_SHARED_ROWS_MEMBERS", "8"))
+
+
+def _shares_rows(xs: list[torch.Tensor]) -> bool:
+    """Whether the outputs of reducing ``xs`` go into rows of one buffer: enough members,
+    small enough, and contiguous (as the result of reducing ``xs`` itself would be)."""
+    x = xs[0]
+    return (len(xs) >= SHARED_ROWS_MEMBERS and x.numel() * x.element_size() * len(xs) <= SHARED_ROWS_BYTES
+            and x.is_contiguous() and xs[1].is_contiguous())
 
 
 _NO_PAYLOADS: list[Any] = []  # a finished plan's: never read, never written
@@ -198,15 +222,18 @@ class ThreadsEngine(Engine):
         leaves = range(len(call.shapes))
         for members in self._sorted_members(call.groups):
             op = calls[members[0]].params[0]
+            if self._one_device:
+                columns = [self._reduce_column(op, [payloads[m][t] for m in members]) for t in leaves]
+                if len(columns) == 1:
+                    for m, out in zip(members, columns[0]):
+                        outputs[m] = [out]
+                else:
+                    for j, m in enumerate(members):
+                        outputs[m] = [column[j] for column in columns]
+                continue
             per_member: list[list[torch.Tensor]] = [[] for _ in members]
             for t in leaves:
                 xs = [payloads[m][t] for m in members]
-                if self._one_device:
-                    acc = reduced(op, xs)
-                    per_member[0].append(acc)
-                    for outs in per_member[1:]:
-                        outs.append(acc.clone())
-                    continue
                 home = xs[0].device
                 acc = reduced(op, [x.to(home) for x in xs])
                 for outs, m in zip(per_member, members):
@@ -215,6 +242,18 @@ class ThreadsEngine(Engine):
             for m, outs in zip(members, per_member):
                 outputs[m] = outs
         return _Plan(outputs)
+
+    @staticmethod
+    def _reduce_column(op: ReduceOp, xs: list[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """One leaf's all-reduce on one device: every member's output, in member order."""
+        if _shares_rows(xs):  # one buffer, one row per member: no allocation per replica
+            buf = torch.empty((len(xs), *xs[0].shape), dtype=xs[0].dtype, device=xs[0].device)
+            rows = buf.unbind(0)
+            reduce_into(op, rows[0], xs)
+            buf[1:].copy_(rows[0])
+            return rows
+        acc = reduced(op, xs)
+        return [acc, *[acc.clone() for _ in xs[1:]]]
 
     def _all_reduce_share(self, call: Call, plan: _Plan, i: int) -> None:
         """Member ``j`` of a group reduces the ``j``-th share of every leaf for everyone."""
