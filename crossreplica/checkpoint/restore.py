@@ -28,7 +28,7 @@ from .. import nest
 from ..errors import CheckpointError, summarize
 from ..values import DistributedValues, Mirrored
 from .per_replica import is_record, pick
-from .state import GENERATOR, MIRRORED, PER_REPLICA, RNG_METHODS, STATEFUL, TENSOR, kind, where
+from .state import GENERATOR, MIRRORED, PER_REPLICA, RNG_METHODS, STATEFUL, TENSOR, kind, local_ids_for, where
 
 __all__ = ["restore"]
 
@@ -85,13 +85,8 @@ def _is_numpy(value: Any) -> bool:
 
 def _distributed(target: DistributedValues, saved: Any, strategy: Any, path: tuple) -> None:
     ext = strategy.extended
-    local_ids = tuple(ext.local_replica_ids)
     name = where("into", path)
-    if len(target.values) != len(local_ids):
-        raise ValueError(
-            f"cr.load: {name} is a {type(target).__name__} of {len(target.values)} values, but the "
-            f"strategy {type(strategy).__name__} has {len(local_ids)} local replicas; call cr.load under "
-            f"the scope of the strategy it belongs to (or pass strategy=)")
+    local_ids = local_ids_for(target, strategy, "cr.load", name, "the strategy it belongs to")
     if isinstance(target, Mirrored) and is_record(saved):
         raise CheckpointError(f"cr.load: {name} is a Mirrored (identical copies), but the checkpoint holds a "
                               f"different state per replica there; restore it into a PerReplica")

@@ -37,7 +37,7 @@ from ..errors import ReplicaContextError
 from ..values import Mirrored, PerReplica
 
 __all__ = ["MIRRORED", "PER_REPLICA", "TENSOR", "STATEFUL", "GENERATOR", "GET_STATE", "GETSTATE",
-           "Pending", "capture", "kind", "where"]
+           "Pending", "capture", "kind", "local_ids_for", "where"]
 
 MIRRORED, PER_REPLICA, TENSOR, STATEFUL = "mirrored", "per_replica", "tensor", "stateful"
 GENERATOR, GET_STATE, GETSTATE = "generator", "get_state", "getstate"
@@ -110,15 +110,21 @@ def capture(state: Any, strategy: Any, pending: list[Pending], path: tuple = ())
     return state
 
 
-def _per_replica(value: PerReplica, strategy: Any, pending: list[Pending], path: tuple) -> Pending:
-    ext = strategy.extended
-    local_ids = tuple(ext.local_replica_ids)
-    name = where("state", path)
+def local_ids_for(value: Any, strategy: Any, api: str, name: str, hint: str) -> tuple[int, ...]:
+    """The strategy's local replica ids, one per value of ``value`` (a DistributedValues);
+    a ValueError naming ``name`` when the counts differ (``value`` belongs to another strategy)."""
+    local_ids = tuple(strategy.extended.local_replica_ids)
     if len(value.values) != len(local_ids):
         raise ValueError(
-            f"cr.save: {name} is a PerReplica of {len(value.values)} values, but the strategy "
-            f"{type(strategy).__name__} has {len(local_ids)} local replicas; call cr.save under the scope "
-            f"of the strategy whose run returned it (or pass strategy=)")
+            f"{api}: {name} is a {type(value).__name__} of {len(value.values)} values, but the strategy "
+            f"{type(strategy).__name__} has {len(local_ids)} local replicas; call {api} under the scope "
+            f"of {hint} (or pass strategy=)")
+    return local_ids
+
+
+def _per_replica(value: PerReplica, strategy: Any, pending: list[Pending], path: tuple) -> Pending:
+    name = where("state", path)
+    local_ids_for(value, strategy, "cr.save", name, "the strategy whose run returned it")
     nested: list[Pending] = []  # a PerReplica inside a PerReplica is one value per replica already
     try:
         local = [capture(v, strategy, nested, path) for v in value.values]

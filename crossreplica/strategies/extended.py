@@ -262,12 +262,12 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
     @property
     def num_input_pipelines(self) -> int:
         """Input pipelines feeding the replicas (one per worker process)."""
-        return 1
+        return self.num_workers
 
     @property
     def input_pipeline_id(self) -> int:
-        """This process's input pipeline (its worker id)."""
-        return 0
+        """This process's input pipeline (its worker rank)."""
+        return self.worker_rank
 
     # ------------------------------------------------------------ cross-device ops
 

@@ -136,11 +136,6 @@ class MultiWorkerExtended(StrategyExtended):
     def always_wrap(self) -> bool:
         return self.engine.world_size > 1
 
-    @property
-    def is_chief(self) -> bool:
-        """True on the worker that holds replica 0 (it writes checkpoints)."""
-        return self.engine.rank == 0
-
     @contextlib.contextmanager
     def collective_timeout(self, seconds: float | None) -> Iterator[None]:
         """Bounds the cross-process waits inside by ``seconds`` (None: the engine's timeout)."""
@@ -211,16 +206,6 @@ class MultiWorkerExtended(StrategyExtended):
                 for t, new in zip(ts, news):
                     t.copy_(new)
         return mirrored
-
-    @property
-    def num_input_pipelines(self) -> int:
-        """One input pipeline per worker process."""
-        return self.engine.world_size
-
-    @property
-    def input_pipeline_id(self) -> int:
-        """This worker's pipeline: its rank."""
-        return self.engine.rank
 
     def barrier(self, what: str = "barrier") -> None:
         """Every worker waits here for the others (bounded by the timeout)."""
