@@ -108,6 +108,16 @@ def worker(steps: int, model: str, width: int, out_path: str | None, bucket_mb: 
 
     plain, run_plain = ours(False)
     overlapped, run_overlap = ours(True)
+    through_backend, run_backend = ours(True)
+    engine = strategy.extended.engine
+    reducer = engine.shared_memory
+
+    def run_on_backend(x: Any, y: Any) -> None:
+        engine.shared_memory = None  # its buckets are ordinary tensors, all-reduced by gloo
+        try:
+            run_backend(x, y)
+        finally:
+            engine.shared_memory = reducer
     ddp = DistributedDataParallel(make())
     dopt = torch.optim.SGD(ddp.parameters(), lr=0.01)
 
@@ -117,6 +127,7 @@ def worker(steps: int, model: str, width: int, out_path: str | None, bucket_mb: 
         dopt.step()
 
     variants = {"torch DDP": ddp_step, "crossreplica, reduce after backward": run_plain,
+                "crossreplica, overlap=True, buckets through gloo": run_on_backend,
                 "crossreplica, overlap=True": run_overlap}
     times: dict[str, list[float]] = {k: [] for k in variants}
     for s in range(steps):
@@ -126,8 +137,8 @@ def worker(steps: int, model: str, width: int, out_path: str | None, bucket_mb: 
             t0 = time.perf_counter()
             fn(x, y)
             times[name].append(time.perf_counter() - t0)
-    diffs = {name: max(float((a - b).abs().max()) for a, b in zip(net.parameters(), ddp.module.parameters()))
-             for name, net in (("plain", plain), ("overlap", overlapped))}
+    diffs = {name: max(float((a - b).detach().abs().max()) for a, b in zip(net.parameters(), ddp.module.parameters()))
+             for name, net in (("plain", plain), ("overlap", overlapped), ("overlap through gloo", through_backend))}
     if rank == 0:
         n = sum(p.numel() for p in plain.parameters())
         base = statistics.median(times["torch DDP"][DROPPED:])
@@ -138,7 +149,8 @@ def worker(steps: int, model: str, width: int, out_path: str | None, bucket_mb: 
             med = statistics.median(ts[DROPPED:])
             print(f"| {name} | {med * 1e3:.2f} ms | {med / base:.3f} |")
         print(f"max abs diff of the final parameters vs DDP: reduce after backward {diffs['plain']:.3g}, "
-              f"overlap {diffs['overlap']:.3g}")
+              f"overlap {diffs['overlap']:.3g}, overlap through gloo {diffs['overlap through gloo']:.3g}; "
+              f"same-host shared memory: {'on' if reducer is not None and reducer.enabled else 'off'}")
         if out_path:
             with open(out_path, "w") as f:
                 json.dump({"ours": times["crossreplica, overlap=True"][DROPPED:],

@@ -277,6 +277,12 @@ class Engine(abc.ABC):
         runs it now and returns it finished."""
         return Pending.done(self.execute(replica_id, call, tensors))
 
+    def shared_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """A buffer the engine all-reduces in place faster than any other tensor (the
+        optimizer keeps its gradient buckets there), or None: the default, no such thing.
+        Every replica asks for the same buffers in the same order."""
+        return None
+
     def begin_run(self) -> None:
         """Called before a replica function starts on the local replicas."""
 

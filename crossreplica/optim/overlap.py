@@ -8,7 +8,9 @@ parameter larger than that is a bucket of its own). A
 gradients of its bucket; when the bucket is complete, and every bucket before
 it has started (so every replica starts the same calls in the same order), the
 gradients are copied into the bucket's persistent flat buffer and an in-place
-all-reduce of it starts through ``Engine.execute_async``. At the end of the
+all-reduce of it starts through ``Engine.execute_async``; the buffer is the
+engine's ``shared_buffer`` where it has one (processes of one host: shared
+memory, ``engines/torch_dist/shared_memory.py``). At the end of the
 backward pass (an autograd-engine callback queued by the first hook) every
 started bucket is waited for and each ``.grad`` becomes its view of the bucket's
 buffer (no copy back), so a later backward accumulates onto finished values
@@ -51,7 +53,7 @@ __all__ = ["OverlappedReduction"]
 
 
 class _Bucket:
-    __slots__ = ("flat", "index", "params", "pending", "ready", "unusable")
+    __slots__ = ("flat", "index", "params", "pending", "ready", "shared", "unusable")
 
     def __init__(self, index: int, params: list[torch.Tensor]):
         self.index = index
@@ -59,6 +61,7 @@ class _Bucket:
         self.ready = 0
         self.unusable = False  # a sparse gradient: left to step()
         self.pending: Pending | None = None
+        self.shared: bool | None = None  # flat is the engine's shared buffer (asked at the first start)
         n = sum(p.numel() for p in params)
         # A parameter alone in its bucket is reduced in its own .grad (no copies).
         self.flat = torch.empty(n if len(params) > 1 else 0, dtype=params[0].dtype, device=params[0].device)
@@ -143,8 +146,14 @@ class OverlappedReduction:
             self._next += 1
 
     def _start(self, bucket: _Bucket, engine: Any, rid: int, groups: Groups) -> None:
+        if bucket.shared is None:  # every replica asks in the same order: bucket order
+            first = bucket.params[0]
+            buf = engine.shared_buffer(sum(p.numel() for p in bucket.params), first.dtype, first.device)
+            bucket.shared = buf is not None
+            if buf is not None:
+                bucket.flat = buf
         grad = bucket.params[0].grad
-        if len(bucket.params) == 1 and grad is not None and grad.is_contiguous():
+        if len(bucket.params) == 1 and not bucket.shared and grad is not None and grad.is_contiguous():
             call = Call(Kind.ALL_REDUCE, groups, (self.op, INPLACE), (tuple(grad.shape),), (grad.dtype,))
             bucket.pending = start_on_wire(engine, rid, call, [grad])
             return

@@ -283,9 +283,16 @@ class MultiWorkerMirroredStrategy(Strategy):
         if str(dist.get_backend()) == "nccl":
             torch.cuda.set_device(devs[0])
             comm = devs[0]
-        engine_cls = TorchDistEngine if replicas_per_worker == 1 else HierarchicalEngine
-        engine = engine_cls(devs, timeout, check_collectives=bool(check_collectives), comm_device=comm,
-                            ordered_reductions=bool(ordered_reductions))
+        if replicas_per_worker == 1:
+            # Same-host workers all-reduce the optimizer's buckets through shared memory
+            # (engines/torch_dist/shared_memory.py) unless CROSSREPLICA_SHARED_MEMORY=0.
+            shared = os.environ.get("CROSSREPLICA_SHARED_MEMORY") is None or _env_flag("CROSSREPLICA_SHARED_MEMORY")
+            engine: TorchDistEngine = TorchDistEngine(
+                devs, timeout, check_collectives=bool(check_collectives), comm_device=comm,
+                ordered_reductions=bool(ordered_reductions), shared_memory=shared)
+        else:
+            engine = HierarchicalEngine(devs, timeout, check_collectives=bool(check_collectives), comm_device=comm,
+                                        ordered_reductions=bool(ordered_reductions))
         self.extended = MultiWorkerExtended(self, devs, engine, cross_device_ops)
         self.extended.communication_options = communication_options
         self.extended.set_logical_devices(groups)
@@ -293,7 +300,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             engine.barrier("set-up")  # creates the communicators with every rank present
         _log.info("MultiWorkerMirroredStrategy: %d replicas in sync, %d workers x %d local replicas (%s engine), "
                   "worker rank %d on %s, backend %s, timeout %gs", engine.num_replicas, engine.world_size,
-                  replicas_per_worker, "torch_dist" if engine_cls is TorchDistEngine else "hierarchical",
+                  replicas_per_worker, "torch_dist" if replicas_per_worker == 1 else "hierarchical",
                   engine.rank, [str(d) for d in devs], engine.backend, timeout)
 
     @staticmethod

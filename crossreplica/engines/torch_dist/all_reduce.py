@@ -56,7 +56,9 @@ def start_all_reduce(eng: TorchDistEngine, call: Call, tensors: list[torch.Tenso
     """Starts an in-place SUM/MEAN all-reduce of floating-point tensors on the comm
     device as async backend work (one replica per worker); None when the call is
     not of that form (the caller runs it synchronously). The arithmetic is the
-    synchronous path's: the backend's SUM, then MEAN divides by the group size."""
+    synchronous path's: the backend's SUM, then MEAN divides by the group size.
+    Buffers from :meth:`TorchDistEngine.shared_buffer` reduced over every worker take
+    the same-host path instead (``shared_memory.py``), with the same bytes."""
     if call.kind is not Kind.ALL_REDUCE or not is_inplace(call) or call.params[0] not in (ReduceOp.SUM, ReduceOp.MEAN):
         return None
     if not all(t.is_contiguous() and t.device == eng.comm_device and t.dtype.is_floating_point for t in tensors):
@@ -67,6 +69,10 @@ def start_all_reduce(eng: TorchDistEngine, call: Call, tensors: list[torch.Tenso
     entry = entries[0]
     eng.watchdog.count += 1
     eng.watchdog.current = call
+    if eng.shared_memory is not None and len(entry.workers) == eng.world_size:
+        pending = eng.shared_memory.start(tensors, call.params[0])
+        if pending is not None:
+            return Pending(lambda: eng.settle(pending.wait))
     works = [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=entry.subgroup, async_op=True) for t in tensors]
     divisor = len(entry.group) if call.params[0] is ReduceOp.MEAN else 0
 

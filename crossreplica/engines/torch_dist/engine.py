@@ -36,6 +36,7 @@ from .broadcast import broadcast
 from .gather import all_gather
 from .p2p import all_to_all, permute
 from .plan import Planner, Step
+from .shared_memory import SharedMemoryReducer, usable
 from .signatures import check_signatures
 from .watchdog import Watchdog, is_peer_loss
 
@@ -60,7 +61,7 @@ class TorchDistEngine(Engine):
 
     def __init__(self, devices: Sequence[torch.device], timeout: float,
                  check_collectives: bool = False, comm_device: torch.device | None = None,
-                 ordered_reductions: bool = True):
+                 ordered_reductions: bool = True, shared_memory: bool = True):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "TorchDistEngine needs an initialised torch.distributed process group; use "
@@ -91,6 +92,9 @@ class TorchDistEngine(Engine):
         # input: reused buffers spare the page faults of a fresh one each call.
         self.pool = BufferPool(max_buffers=8)
         self._broken: BaseException | None = None
+        #: the same-host all-reduce of the buffers from :meth:`shared_buffer`, where the
+        #: layout allows it (the workers' probe decides at the first buffer)
+        self.shared_memory = SharedMemoryReducer(self) if shared_memory and usable(self) else None
         _log.info("torch_dist engine: worker rank %d of %d (backend %s), local replicas %s of %d on %s, "
                   "timeout %gs, slow-collective warning after %gs", self.rank, self.world_size, self.backend,
                   list(self.local_replica_ids), self.num_replicas, [str(d) for d in self.devices], self._timeout,
@@ -140,6 +144,17 @@ class TorchDistEngine(Engine):
                 return pending
         return Pending.done(self.execute(replica_id, call, tensors))
 
+    def shared_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """A buffer whose in-place SUM/MEAN all-reduce over every worker goes through
+        shared memory when the workers share a host (``shared_memory.py``), else None.
+        Collective: every worker asks for the same buffers in the same order."""
+        if self.shared_memory is None or device.type != "cpu" or self._broken is not None:
+            return None
+        buf = self.shared_memory.buffer(numel, dtype)
+        if buf is not None and _log.isEnabledFor(logging.DEBUG):
+            _log.debug("torch_dist engine: shared-memory buffer of %d x %s", numel, dtype)
+        return buf
+
     def settle(self, fn: Any) -> Any:
         """Runs ``fn()`` (a wait on backend work); a failure breaks the engine as in :meth:`process`."""
         try:
@@ -178,6 +193,8 @@ class TorchDistEngine(Engine):
 
     def close(self) -> None:
         self.planner.close()
+        if self.shared_memory is not None:
+            self.shared_memory.close()
 
     # ------------------------------------------------------------ the worker-level call
 

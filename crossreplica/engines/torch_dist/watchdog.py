@@ -96,6 +96,11 @@ class Watchdog:
         self._exchanges: dict[int, int] = {}  # peer worker -> point-to-point exchanges with it so far
 
     @property
+    def prefix(self) -> str:
+        """The store prefix of this engine's keys (the same engine on every worker)."""
+        return self._prefix
+
+    @property
     def where(self) -> str:
         what = self.current.describe() if isinstance(self.current, Call) else self.current
         return f"{what} (cross-process call #{self.count})"
