@@ -145,3 +145,20 @@ def test_communication_options_set_the_bucket_size():
     assert opt._overlapped.num_buckets > 3
     with pytest.raises(TypeError, match="communication_options"):
         CrossShardOptimizer(torch.optim.SGD(_net().parameters(), lr=0.1), communication_options=128)
+
+
+def _bucket_sizes():
+    net = nn.Sequential(nn.Linear(600, 600), nn.Linear(600, 3))  # a 1.4 MiB weight among small tensors
+    opt = CrossShardOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), overlap=True)
+    before = [len(b.params) for b in opt._overlapped._buckets]
+    F.cross_entropy(net(torch.ones(2, 600)), torch.zeros(2, dtype=torch.long)).backward()
+    opt.step()
+    return before, [len(b.params) for b in opt._overlapped._buckets], cr.get_replica_context().engine.own_bucket_bytes
+
+
+def test_the_engine_decides_which_gradients_get_a_bucket_of_their_own(run_replicas):
+    for before, after, own in run_replicas(_bucket_sizes, 2):
+        assert before == [4]  # 4 MiB buckets: everything fits in one
+        # in-process a large gradient is reduced in place rather than copied into a bucket;
+        # across processes the copy costs less than another call
+        assert after == ([3, 1] if own is not None else [4])

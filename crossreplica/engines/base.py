@@ -19,7 +19,8 @@ gives the outputs; the caller may compute meanwhile (the optimizer reduces
 gradient buckets during backward). Every replica starts its asynchronous calls
 in the same order, and ``wait()`` is bounded by the engine's timeout like any
 call. The default runs the call at once (``Pending.done``); an engine that can
-overlap (torch_dist's async work handles) overrides it.
+overlap overrides it (torch_dist: async backend work or a shared-memory round;
+threads: a round each replica deposits into, ``async_rounds.py``).
 
 The arithmetic every engine shares (the reduction order) is in
 ``reduction.py`` beside this module.
@@ -267,6 +268,10 @@ class Engine(abc.ABC):
     num_replicas: int
     #: global ids of the replicas this process drives, in local order
     local_replica_ids: tuple[int, ...]
+    #: gradients of at least this many bytes are worth an asynchronous call of their
+    #: own, reduced in place, rather than a copy into the optimizer's bucket (None:
+    #: pack them like the rest; calls that cost more than a copy)
+    own_bucket_bytes: int | None = None
 
     @abc.abstractmethod
     def execute(self, replica_id: int, call: Call, tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -66,6 +66,9 @@ class Rendezvous:
         #: seconds a participant waits before a WARNING names the ones not yet arrived
         self.slow = slow_seconds(timeout) if slow is None else slow
         self._lock = threading.Lock()
+        #: called (lock held) when the sticky error is set or a participant returns, so
+        #: that waits outside the rounds (``async_rounds.py``) notice
+        self.listeners: list[Callable[[], None]] = []
         self._fresh()
 
     def _fresh(self) -> None:
@@ -197,6 +200,20 @@ class Rendezvous:
 
     # ---------------------------------------------------------------- failures
 
+    def failure(self) -> BaseException | None:
+        """The sticky error of this run, as the exception to raise; None while there is none."""
+        error = self._error
+        return None if error is None else error.make()
+
+    def has_finished(self, i: int) -> bool:
+        """Whether participant ``i`` returned from its replica function in this run."""
+        return self._finished[i]
+
+    def fail(self, exc: BaseException) -> None:
+        """Makes ``exc`` the sticky error (unless there is one) and releases every waiter."""
+        with self._lock:
+            self._set_error(_Failure.of(exc))
+
     def _set_error(self, failure: _Failure, skip: int = -1, log: str | None = None) -> _Failure:
         """Makes ``failure`` sticky (unless an earlier one is) and wakes every waiting
         participant (lock held); returns the sticky failure. ``log``: logged at ERROR
@@ -212,6 +229,8 @@ class Rendezvous:
                 self._wake[j].release()
         self._arrived = 0
         self._payloads = [None] * self.n  # the failed round's tensors are not kept until the next run
+        for listener in self.listeners:
+            listener()
         return self._error
 
     def _fail_finished(self, done: list[int]) -> _Failure:
@@ -235,6 +254,8 @@ class Rendezvous:
                 self._num_finished += 1
             if self._error is None and self._arrived:
                 self._fail_finished([j for j in range(self.n) if self._finished[j]])
+            for listener in self.listeners:
+                listener()
 
     def abort(self, i: int, exc: BaseException) -> None:
         """Participant ``i`` failed with ``exc``: release everyone, now and later."""

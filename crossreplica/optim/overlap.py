@@ -2,8 +2,10 @@
 
 Design. The parameters (each once, in registration order) are cut into
 buckets in *reverse* order, since backward produces the last layers' gradients
-first; a bucket holds one (device, dtype) and at most ``bucket_bytes`` (one
-parameter larger than that is a bucket of its own). A
+first; a bucket holds one (device, dtype) and at most ``bucket_bytes``; a
+parameter larger than that, or than the engine's ``own_bucket_bytes``, is a
+bucket of its own (the layout is cut again for the engine at the first
+backward, before any bucket starts). A
 ``register_post_accumulate_grad_hook`` on every parameter counts the final
 gradients of its bucket; when the bucket is complete, and every bucket before
 it has started (so every replica starts the same calls in the same order), the
@@ -27,10 +29,11 @@ linear and the earlier results are identical on every replica), up to rounding.
 
 What overlaps depends on the engine: across processes (torch_dist, one
 replica per worker) a bucket is async backend work and backward goes on while
-it travels; the in-process engines run the call at once (``Pending.done``), so
-a replica meets the others inside the hook. On 2 cores and 2 replica threads
-both cores are busy with backward anyway, so the in-process engine gains
-nothing from a communication thread; see BENCHMARKS.md.
+it travels, or, between workers of one host, a shared-memory round whose
+slices each worker reduces when it comes by; in-process replicas (the threads
+engine) deposit a bucket and go on, and whoever comes by next reduces its
+chunks (``engines/async_rounds.py``). Neither needs a communication thread:
+on 2 cores both are busy with backward anyway; see BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -82,21 +85,39 @@ class OverlappedReduction:
         self._next = 0  # the first bucket not started in this backward
         self._queued = False
         self._handles = []
+        self._params = params
+        self._bucket_bytes = bucket_bytes
+        self._bucket_of: dict[int, int] = {}  # id(parameter) -> its bucket
+        self._own_bytes: int | None = None  # the own_bucket_bytes the layout was cut for
+        self._layout(None)
+        ref = weakref.ref(self)
+        for p in params:
+            self._handles.append(p.register_post_accumulate_grad_hook(_hook(ref)))
+
+    def _layout(self, own_bytes: int | None) -> None:
+        """Cuts the parameters into buckets, in reverse order; a parameter of ``own_bytes``
+        or more (the engine's ``own_bucket_bytes``) is a bucket of its own."""
+        bucket_bytes = self._bucket_bytes
+        alone_from = min(bucket_bytes, own_bytes) if own_bytes is not None else None
+        self._buckets = []
         current: list[torch.Tensor] = []
         size = 0
-        for p in reversed(params):
-            if current and (p.dtype != current[0].dtype or p.device != current[0].device
-                            or size + p.numel() * p.element_size() > bucket_bytes):
+        for p in reversed(self._params):
+            nbytes = p.numel() * p.element_size()
+            alone = alone_from is not None and nbytes >= alone_from
+            if current and (alone or p.dtype != current[0].dtype or p.device != current[0].device
+                            or size + nbytes > bucket_bytes):
                 self._buckets.append(_Bucket(len(self._buckets), current))
                 current, size = [], 0
             current.append(p)
-            size += p.numel() * p.element_size()
+            size += nbytes
+            if alone:
+                self._buckets.append(_Bucket(len(self._buckets), current))
+                current, size = [], 0
         if current:
             self._buckets.append(_Bucket(len(self._buckets), current))
-        ref = weakref.ref(self)
-        for bucket in self._buckets:
-            for p in bucket.params:
-                self._handles.append(p.register_post_accumulate_grad_hook(_hook(ref, bucket.index)))
+        self._bucket_of = {id(p): bucket.index for bucket in self._buckets for p in bucket.params}
+        self._own_bytes = own_bytes
 
     @property
     def num_buckets(self) -> int:
@@ -119,12 +140,17 @@ class OverlappedReduction:
 
     # ------------------------------------------------------------ during backward
 
-    def on_grad(self, index: int, p: torch.Tensor) -> None:
+    def on_grad(self, p: torch.Tensor) -> None:
         if not self.enabled:
             return
         rctx = get_replica_context()
         if rctx is None:
             return
+        if not self._queued:  # the first gradient of this backward: no bucket has started
+            own = rctx.engine.own_bucket_bytes
+            if own != self._own_bytes:
+                self._layout(own)
+        index = self._bucket_of[id(p)]
         groups: Groups = self._groups_of(rctx.num_replicas_in_sync)
         rid = rctx.replica_id_in_sync_group
         if len(group_of(groups, rid)) == 1:
@@ -207,10 +233,10 @@ class OverlappedReduction:
         self.reduced.clear()
 
 
-def _hook(ref: weakref.ref, index: int) -> Any:
+def _hook(ref: weakref.ref) -> Any:
     # A weak reference: a discarded optimizer's hooks do nothing.
     def hook(p: torch.Tensor) -> None:
         owner = ref()
         if owner is not None:
-            owner.on_grad(index, p)
+            owner.on_grad(p)
     return hook
