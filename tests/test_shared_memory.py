@@ -177,3 +177,25 @@ def test_failing_worker_releases_the_other():
     survivor = out.failures[0]
     assert "mid-backward" in survivor.message, survivor
     assert survivor.elapsed < 20, survivor
+
+
+def _full_on_rank1(strategy: cr.Strategy) -> dict:
+    if strategy.extended.engine.rank == 1:  # /dev/shm fills up on one worker at the second buffer
+        create, calls = shared_memory._create, []
+
+        def failing(path, numel, dtype):
+            calls.append(path)
+            if len(calls) == 2:
+                raise OSError(28, "No space left on device")
+            return create(path, numel, dtype)
+        shared_memory._create = failing
+    shm, backend = _both_paths(strategy)
+    shm["reference"] = backend["params"]
+    return shm
+
+
+def test_a_buffer_one_worker_cannot_create_is_given_up_everywhere():
+    for out in run_workers(_full_on_rank1, 2):
+        assert out["enabled"] and out["buffers"] == 2  # the other two buckets keep shared memory
+        for x, y in zip(out["params"], out["reference"]):
+            assert torch.equal(x, y)

@@ -39,6 +39,10 @@ per buffer, the first time the optimizer starts that bucket): every worker
 creates its file, maps the others' once all exist, and unlinks its own once all
 have mapped (two meetings through the store). The mappings then live as long
 as the buffer's tensor, and a worker killed later leaves nothing in /dev/shm.
+A worker reserves its file's pages as it creates it, so a full /dev/shm (a
+container's 64 MB default) fails there rather than with SIGBUS at a later
+write; a buffer that any worker could not create is given up by all of them,
+and that bucket takes the backend.
 
 Waits poll the peers' headers (yielding for 1 ms, then sleeps of at most 0.2 ms), check the
 store's abort key every quarter second, and raise CollectiveTimeoutError naming
@@ -47,6 +51,7 @@ the worker ranks that never deposited or published at the timeout.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -141,20 +146,29 @@ class SharedMemoryReducer:
         if not self._enabled:
             return None
         self._count += 1
-        segment = _Segment(self._count, self._path(self._eng.rank, self._count), numel, dtype)
-        self._paths.append(segment.path)
+        path = self._path(self._eng.rank, self._count)
+        self._paths.append(path)
+        segment: _Segment | None = None
         try:
+            segment = _Segment(self._count, path, numel, dtype)
+        except OSError as e:  # /dev/shm is full (a container's 64 MB default), or not writable
+            _log.warning("worker rank %d could not create a shared-memory buffer of %d elements of %s in %s (%s); "
+                         "this gradient bucket is reduced through the backend on every worker",
+                         self._eng.rank, numel, dtype, SHM_DIR, e)
+        try:
+            created = self._meet(f"created/{self._count}", "1" if segment is not None else "0")
+            if segment is None or any(ok != b"1" for ok in created):
+                return None  # every worker gives this buffer up together
             self._map_everyone(segment)
         finally:
-            _unlink([segment.path])  # mapped everywhere (or failed): the name is not needed
+            _unlink([path])  # mapped everywhere (or given up): the name is not needed
         self._segments[segment.tensor.data_ptr()] = segment
         return segment.tensor
 
     def _map_everyone(self, segment: _Segment) -> None:
-        """Maps every worker's copy of ``segment``: once all have created theirs, each maps
-        the others', and once all have mapped, the files can lose their names."""
+        """Maps every worker's copy of ``segment`` (every worker has created its own);
+        once all have mapped, the files can lose their names."""
         eng = self._eng
-        self._meet(f"created/{segment.index}")
         for rank in range(eng.world_size):
             if rank == eng.rank:
                 tensor, header = segment.tensor, segment.header
@@ -164,12 +178,12 @@ class SharedMemoryReducer:
             segment.headers.append(header)
         self._meet(f"mapped/{segment.index}")
 
-    def _meet(self, what: str) -> None:
-        """Posts this worker's arrival at ``what`` in the store and waits for every worker's
-        (bounded by the timeout, abort-aware)."""
+    def _meet(self, what: str, value: str = "1") -> list[bytes]:
+        """Posts this worker's ``value`` at ``what`` in the store, waits for every worker's
+        (bounded by the timeout, abort-aware) and returns them in rank order."""
         watchdog, rank = self._eng.watchdog, self._eng.rank
         store, prefix = watchdog.store, f"{watchdog.prefix}/shm/{what}"
-        store.set(f"{prefix}/{rank}", "1")
+        store.set(f"{prefix}/{rank}", value)
         keys = [f"{prefix}/{r}" for r in range(self._eng.world_size)]
         deadline = time.monotonic() + watchdog.timeout
         pause = 1e-4
@@ -185,11 +199,12 @@ class SharedMemoryReducer:
                     tuple(late))
             time.sleep(pause)
             pause = min(2 * pause, 0.02)
+        return [store.get(key) for key in keys]
 
     def _probe(self) -> bool:
         """Whether every worker can read every other's files: the same host (collective)."""
         eng = self._eng
-        store, prefix, rank = eng.watchdog.store, eng.watchdog.prefix, eng.rank
+        rank = eng.rank
         token = secrets.token_hex(8)
         path = os.path.join(SHM_DIR, f"crossreplica-{token}-probe")
         try:
@@ -198,13 +213,9 @@ class SharedMemoryReducer:
         except OSError:
             token = ""
         try:
-            store.set(f"{prefix}/shm/token/{rank}", token)
-            self._meet("probe")
-            tokens = [store.get(f"{prefix}/shm/token/{r}").decode() for r in range(eng.world_size)]
+            tokens = [t.decode() for t in self._meet("probe", token)]
             ok = all(tokens) and all(_reads(os.path.join(SHM_DIR, f"crossreplica-{t}-probe"), t) for t in tokens)
-            store.set(f"{prefix}/shm/ok/{rank}", "1" if ok else "0")
-            self._meet("verdicts")
-            agreed = all(store.get(f"{prefix}/shm/ok/{r}") == b"1" for r in range(eng.world_size))
+            agreed = all(v == b"1" for v in self._meet("verdicts", "1" if ok else "0"))
         finally:
             if token:
                 _unlink([path])
@@ -322,7 +333,12 @@ def _create(path: str, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, me
     tmp = f"{path}.{secrets.token_hex(4)}.tmp"
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, size)
+        try:  # reserve the pages now: a full tmpfs fails here, not with SIGBUS at a later write
+            os.posix_fallocate(fd, 0, size)
+        except (AttributeError, OSError) as e:
+            if isinstance(e, OSError) and e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            os.ftruncate(fd, size)  # a file system (or platform) without fallocate
         os.rename(tmp, path)
         return _map(fd, size, numel, dtype)
     except BaseException:
