@@ -13,7 +13,11 @@ alternate the two paths in the same run, on the same process group:
   functional all-reduce (input untouched, new output) costs with raw torch;
 * engine: ``cr.all_reduce(x, "sum")`` inside ``strategy.run`` (validation,
   call description, a fresh output copy, the sliced wait that checks the abort
-  key, and for several replicas per worker the in-process reduction first).
+  key, and for several replicas per worker the in-process reduction first);
+* shared memory (one replica per worker): what CrossShardOptimizer(overlap=True)
+  pays per bucket on workers of one host: the copy of the gradient into the
+  engine's shared buffer (``engine.shared_buffer``), then the in-place
+  all-reduce of that buffer through /dev/shm (``engines/torch_dist/shared_memory.py``).
 
 It prints the median seconds per call on rank 0 and the ratio engine/raw; for
 the hierarchical layout (2x2) it compares with the flat layout of the same
@@ -56,9 +60,12 @@ def worker(sizes: list[int], rpw: int, out_path: str, ordered: bool) -> None:
     import torch.distributed as dist
 
     import crossreplica as cr
+    from crossreplica.engines.base import INPLACE, Call, Kind
+    from crossreplica.reduce_op import ReduceOp
 
     strategy = cr.MultiWorkerMirroredStrategy(rpw, timeout_seconds=600, ordered_reductions=ordered)
     rank = strategy.extended.worker_rank
+    engine = strategy.extended.engine
     results = []
     for nbytes in sizes:
         n = nbytes // 4
@@ -66,7 +73,16 @@ def worker(sizes: list[int], rpw: int, out_path: str, ordered: bool) -> None:
         raw_t: list[float] = []
         clone_t: list[float] = []
         eng_t: list[float] = []
+        shm_t: list[float] = []
         buf = torch.ones(n)
+        shared = engine.shared_buffer(n, torch.float32, torch.device("cpu")) if rpw == 1 else None
+        if shared is not None:
+            call = Call.of(Kind.ALL_REDUCE, (tuple(range(engine.num_replicas)),), (ReduceOp.SUM, INPLACE), [shared])
+
+            def shared_call(shared: torch.Tensor = shared, buf: torch.Tensor = buf, call: Call = call) -> None:
+                shared.copy_(buf)  # the gradient into the bucket, as the optimizer's hook does
+                engine.execute_async(rank, call, [shared]).wait()
+            shared_call()  # warm-up
 
         def engine_calls(x: torch.Tensor, k: int) -> list[float]:
             ts = []
@@ -98,6 +114,12 @@ def worker(sizes: list[int], rpw: int, out_path: str, ordered: bool) -> None:
                     dist.all_reduce(y)
                     clone_t.append(time.perf_counter() - t0)
                     del y
+            if shared is not None:
+                dist.barrier()
+                for _ in range(k):
+                    t0 = time.perf_counter()
+                    shared_call()
+                    shm_t.append(time.perf_counter() - t0)
             dist.barrier()
             per = strategy.run(engine_calls, (xs, k))
             eng_t.extend(strategy.experimental_local_results(per)[0])
@@ -105,7 +127,8 @@ def worker(sizes: list[int], rpw: int, out_path: str, ordered: bool) -> None:
         results.append({"bytes": nbytes, "reps": reps,
                         "raw": statistics.median(raw_t) if raw_t else None,
                         "raw_clone": statistics.median(clone_t) if clone_t else None,
-                        "engine": statistics.median(eng_t)})
+                        "engine": statistics.median(eng_t),
+                        "shm": statistics.median(shm_t) if shm_t else None})
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
@@ -170,14 +193,16 @@ def main() -> None:
     print(f"\nall_reduce float32, median seconds per call on rank 0 (torch {__import__('torch').__version__}, "
           f"{os.cpu_count()} CPUs, gloo, ordered_reductions={not a.unordered})\n")
     print("| layout | size | raw in place | raw on a fresh copy | crossreplica engine | engine / raw "
-          "| engine / raw-on-copy |")
-    print("|---|---|---|---|---|---|---|")
+          "| engine / raw-on-copy | shared memory (copy in + in place) | shared memory / raw in place |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for lay, res in all_results.items():
         for row in res:
             ms = lambda v: f"{v * 1e3:.3f} ms" if v else "-"  # noqa: E731
             ratio = lambda v, row=row: f"{row['engine'] / v:.3f}" if v else "-"  # noqa: E731
-            print(f"| {lay} | {fmt_size(row['bytes'])} | {ms(row['raw'])} | {ms(row['raw_clone'])} | "
-                  f"{ms(row['engine'])} | {ratio(row['raw'])} | {ratio(row['raw_clone'])} |")
+            shm, raw = row.get("shm"), row["raw"]
+            shm_ratio = f"{shm / raw:.3f}" if shm and raw else "-"
+            print(f"| {lay} | {fmt_size(row['bytes'])} | {ms(raw)} | {ms(row['raw_clone'])} | "
+                  f"{ms(row['engine'])} | {ratio(raw)} | {ratio(row['raw_clone'])} | {ms(shm)} | {shm_ratio} |")
     if "2x2" in all_results and "4x1" in all_results:
         print("\nhierarchical (2 workers x 2 replicas) vs flat (4 workers x 1 replica), 4 replicas in sync\n")
         print("| size | flat 4x1 engine | hierarchical 2x2 engine | hierarchical / flat |")

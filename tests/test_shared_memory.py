@@ -199,3 +199,26 @@ def test_a_buffer_one_worker_cannot_create_is_given_up_everywhere():
         assert out["enabled"] and out["buffers"] == 2  # the other two buckets keep shared memory
         for x, y in zip(out["params"], out["reference"]):
             assert torch.equal(x, y)
+
+
+def _dies_in_backward(x: torch.Tensor) -> bool:
+    model = _net()
+    opt = cr.CrossShardOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), overlap=True)
+    for step in range(2):
+        out = model(x)
+        if step == 1 and cr.replica_id() == 1:
+            def die(grad):
+                os._exit(3)  # a crash in the middle of backward: no exception, no clean-up
+            out.register_hook(die)
+        F.cross_entropy(out, torch.zeros(5, dtype=torch.long)).backward()
+        opt.step()
+    return True
+
+
+def test_dead_worker_fails_the_other_promptly():
+    out = launch(_dies_in_backward, [torch.ones(5, 6)] * 2, timeout_seconds=60.0)
+    assert out.exitcodes[1] == 3
+    survivor = out.failures[0]
+    assert survivor.is_instance("WorkerFailedError"), survivor
+    assert "worker ranks [1]" in survivor.message and "died" in survivor.message, survivor
+    assert survivor.elapsed < 20, survivor

@@ -44,9 +44,12 @@ container's 64 MB default) fails there rather than with SIGBUS at a later
 write; a buffer that any worker could not create is given up by all of them,
 and that bucket takes the backend.
 
-Waits poll the peers' headers (yielding for 1 ms, then sleeps of at most 0.2 ms), check the
-store's abort key every quarter second, and raise CollectiveTimeoutError naming
-the worker ranks that never deposited or published at the timeout.
+Waits poll the peers' headers (yielding for 1 ms, then sleeps of at most 0.2 ms);
+every quarter second they check the store's abort key and whether every peer
+process is still alive (the probe exchanged process ids: a worker killed in
+the middle of a round is a WorkerFailedError naming it at once, as gloo's
+broken connection is), and at the timeout they raise CollectiveTimeoutError
+naming the worker ranks that never deposited or published.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from ...errors import CollectiveTimeoutError, ReplicaAborted
 from ...reduce_op import WIRE_DTYPES, ReduceOp
 from ..base import Pending
 from ..reduction import reduce_into
+from .watchdog import WorkerFailedError
 
 if TYPE_CHECKING:
     from .engine import TorchDistEngine
@@ -123,6 +127,7 @@ class SharedMemoryReducer:
         self._eng = eng
         self._enabled: bool | None = None  # decided by the probe, at the first buffer
         self._tokens: list[str] = []
+        self._pids: list[int] = []  # every worker's process id (the same host)
         self._segments: dict[int, _Segment] = {}  # data_ptr -> segment
         self._count = 0
         self._open: list[_Round] = []  # rounds started whose slice this worker has not reduced
@@ -213,8 +218,13 @@ class SharedMemoryReducer:
         except OSError:
             token = ""
         try:
-            tokens = [t.decode() for t in self._meet("probe", token)]
-            ok = all(tokens) and all(_reads(os.path.join(SHM_DIR, f"crossreplica-{t}-probe"), t) for t in tokens)
+            posted = [v.decode().partition(":") for v in self._meet("probe", f"{os.getpid()}:{token}")]
+            tokens = [t for _, _, t in posted]
+            self._pids = [int(pid) for pid, _, _ in posted]
+            # Same host: every probe file readable, every peer process visible (its death is then
+            # noticed while waiting; in another pid namespace the path stays off).
+            ok = all(tokens) and all(_reads(os.path.join(SHM_DIR, f"crossreplica-{t}-probe"), t) for t in tokens) \
+                and all(_alive(pid) for pid in self._pids)
             agreed = all(v == b"1" for v in self._meet("verdicts", "1" if ok else "0"))
         finally:
             if token:
@@ -290,6 +300,11 @@ class SharedMemoryReducer:
                 aborted = watchdog.abort_message()
                 if aborted is not None:
                     raise ReplicaAborted(f"{aborted}; this worker was released from {watchdog.where}")
+                dead = [rank for rank, pid in enumerate(self._pids) if rank != eng.rank and not _alive(pid)]
+                if dead:
+                    raise WorkerFailedError(
+                        f"collective {watchdog.where} failed on worker rank {eng.rank} (same-host shared "
+                        f"memory): worker ranks {dead} (replicas {dead}) died", tuple(dead))
             if now >= deadline:
                 late = self._late(rounds)
                 raise CollectiveTimeoutError(
@@ -365,6 +380,21 @@ def _map(fd: int, size: int, numel: int, dtype: torch.dtype) -> tuple[torch.Tens
     header = memoryview(mm)[:_HEADER].cast("q")  # type: ignore[arg-type]
     tensor = torch.frombuffer(mm, dtype=dtype, count=numel, offset=_HEADER)
     return tensor, header
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (a worker that died, not yet reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 def _reads(path: str, token: str) -> bool:
