@@ -111,7 +111,7 @@ def test_no_files_left_in_dev_shm():
 
 def _refuse_on_rank1(strategy: cr.Strategy) -> dict:
     if strategy.extended.engine.rank == 1:  # as a worker on another host: it cannot read the probes
-        shared_memory._reads = lambda path, token: False
+        shared_memory.reads = lambda path, token: False
     shm, backend = _both_paths(strategy)
     shm["reference"] = backend["params"]
     shm["probed"] = strategy.extended.engine.shared_memory._enabled
@@ -181,14 +181,14 @@ def test_failing_worker_releases_the_other():
 
 def _full_on_rank1(strategy: cr.Strategy) -> dict:
     if strategy.extended.engine.rank == 1:  # /dev/shm fills up on one worker at the second buffer
-        create, calls = shared_memory._create, []
+        create, calls = shared_memory.create, []
 
         def failing(path, numel, dtype):
             calls.append(path)
             if len(calls) == 2:
                 raise OSError(28, "No space left on device")
             return create(path, numel, dtype)
-        shared_memory._create = failing
+        shared_memory.create = failing
     shm, backend = _both_paths(strategy)
     shm["reference"] = backend["params"]
     return shm
@@ -222,3 +222,46 @@ def test_dead_worker_fails_the_other_promptly():
     assert survivor.is_instance("WorkerFailedError"), survivor
     assert "worker ranks [1]" in survivor.message and "died" in survivor.message, survivor
     assert survivor.elapsed < 20, survivor
+
+
+def _collectives(strategy: cr.Strategy, same_host: bool) -> dict:
+    engine = strategy.extended.engine
+    saved = engine.shared_memory
+    if not same_host:
+        engine.shared_memory = None
+
+    def replica_fn() -> dict:
+        rid = cr.replica_id()
+        g = torch.Generator().manual_seed(rid)
+        xs = {"small": torch.randn(3, 5, generator=g), "grows the arena": torch.randn(700_000, generator=g),
+              "half": torch.randn(33, generator=g).half(), "ints": torch.arange(6) * (rid + 1)}
+        kept = {k: v.clone() for k, v in xs.items()}
+        out = {f"{k}/{op}": cr.all_reduce(v, op) for k, v in xs.items() for op in ("sum", "mean", "max", "min")
+               if not (k == "ints" and op == "mean")}
+        out["nest"] = cr.all_reduce({"a": xs["small"], "b": [xs["small"] * 2, torch.ones(4, dtype=torch.float64)]})
+        out["untouched"] = all(torch.equal(kept[k], xs[k]) for k in xs)
+        return out
+
+    try:
+        out = strategy.experimental_local_results(strategy.run(replica_fn))[0]
+    finally:
+        engine.shared_memory = saved
+    out["arenas"] = sorted(str(d) for d in saved._arenas) if saved is not None and same_host else []
+    return out
+
+
+def _collectives_both(strategy: cr.Strategy) -> tuple[dict, dict]:
+    return _collectives(strategy, True), _collectives(strategy, False)
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_collectives_through_the_arena_are_bitwise_the_backend(workers):
+    for shm, backend in run_workers(_collectives_both, workers):
+        assert shm["arenas"] == ["torch.float32", "torch.float64"]  # float16 travels as float32
+        assert shm["untouched"] and backend["untouched"]
+        for key, ref in backend.items():
+            if key in ("untouched", "arenas"):
+                continue
+            got = shm[key]
+            for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(ref)):
+                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), key

@@ -9,6 +9,11 @@ worker order. Floating-point groups of three replicas or more go through the
 ordered all-reduce (``ordered.py``) unless the engine says otherwise.
 reduce_scatter is this all-reduce, then each member keeps its chunk.
 
+On workers of one host (one replica each, a group of every replica, floating
+point SUM/MEAN/MAX/MIN on the CPU) the call goes through the shared-memory
+arena instead of the backend (``shared_memory.py``): the same bytes, without
+loopback TCP.
+
 Invariant: every replica of a group gets the same bytes (the backends'
 all-reduce results are replicated, and everything else is a copy).
 """
@@ -42,6 +47,9 @@ def _dist_op(op: ReduceOp, dtype: torch.dtype) -> Any:
 
 def all_reduce(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
     """All-reduce; in place, the results that are not already the inputs are copied into them."""
+    shared = _through_shared_memory(eng, step)
+    if shared is not None:
+        return [shared]
     outs = _reduced(eng, step)
     if step.inplace:
         for xs, row in zip(step.payloads, outs):
@@ -50,6 +58,23 @@ def all_reduce(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
                     x.copy_(out)
                 row[leaf] = x
     return outs
+
+
+_SHARED_OPS = (ReduceOp.SUM, ReduceOp.MEAN, ReduceOp.MAX, ReduceOp.MIN)
+
+
+def _through_shared_memory(eng: TorchDistEngine, step: Step) -> list[torch.Tensor] | None:
+    """The call on workers of one host, one replica each, over every replica: through
+    the shared-memory arena (``shared_memory.py``), with the backend path's bytes; None
+    when the path does not take it."""
+    reducer, call = eng.shared_memory, step.call
+    if reducer is None or len(call.groups) != 1 or len(call.groups[0]) != eng.num_replicas:
+        return None
+    tensors = step.payloads[0]
+    op = step.params[eng.local_replica_ids[0]][0]
+    if op not in _SHARED_OPS or not tensors or any(t.device.type != "cpu" for t in tensors):
+        return None
+    return reducer.all_reduce(tensors, op, step.inplace)
 
 
 def start_all_reduce(eng: TorchDistEngine, call: Call, tensors: list[torch.Tensor]) -> Pending | None:

@@ -4,17 +4,22 @@ Why our own transport: gloo carries an all-reduce between processes of one host
 over loopback TCP, so every byte is copied into the kernel and out again and
 summed on gloo's threads. Processes of one host can instead map each other's
 buffers: each worker reduces its 1/W slice of every worker's buffer and writes
-the result into all of them. Measured on the 2-core VM (2 workers, 20 MiB of
-float32, the copy into the buffer included): 4.0 ms wall and 3.6 ms of CPU per
-worker, against gloo's 17.0 ms and 10.2 ms (BENCHMARKS.md).
+the result into all of them. Measured on the 2-core VM (2 workers, float32, the
+copy into the buffer included; ``benchmarks/dist_allreduce.py``): 3.5 ms for
+16 MiB against gloo's 10.7 ms in place, 26 us for 256 KiB against 0.55 ms.
 
-Scope. Buffers handed out by :meth:`SharedMemoryReducer.buffer` (the optimizer
-asks for its overlapped gradient buckets there), one replica per worker, CPU,
-the floating dtypes that reduce in their own dtype, a group of every worker,
-SUM and MEAN. Every other call takes the backend. Whether the workers share a
-host is decided once, by all of them together, from a probe file each writes
-into ``/dev/shm`` and the others read back (the token exchange goes through the
-store), so the same calls take the same path on every worker; environment
+Scope: one replica per worker, CPU tensors of the floating dtypes that reduce
+in their own dtype (float16 and bfloat16 arrive as float32), a group of every
+worker. Two forms: buffers handed out by :meth:`SharedMemoryReducer.buffer`,
+all-reduced in place and asynchronously (SUM, MEAN: the optimizer keeps its
+overlapped gradient buckets there, so nothing is copied), and any synchronous
+all-reduce (SUM, MEAN, MAX, MIN: ``cr.all_reduce``, the optimizer's fused packs),
+whose tensors are copied into an *arena*, a buffer of the same kind per dtype
+grown to the largest call (at most 256 MiB), and the results copied out. Every
+other call takes the backend. Whether the workers share a host is decided once,
+by all of them together, from a probe file each writes into ``/dev/shm`` and the
+others read back (the tokens and process ids go through the store), so the same
+calls take the same path on every worker; environment
 ``CROSSREPLICA_SHARED_MEMORY=0`` turns the path off.
 
 Protocol. Each buffer is a file ``/dev/shm/crossreplica-<token>-<k>`` per worker
@@ -35,7 +40,8 @@ than idle. A lock round trip orders the data before each published word on
 every architecture.
 
 Lifetime. A buffer's files have names only while the workers set it up (once
-per buffer, the first time the optimizer starts that bucket): every worker
+per buffer: the first time the optimizer starts that bucket, or an arena
+grows): every worker
 creates its file, maps the others' once all exist, and unlinks its own once all
 have mapped (two meetings through the store). The mappings then live as long
 as the buffer's tensor, and a worker killed later leaves nothing in /dev/shm.
@@ -54,9 +60,7 @@ naming the worker ranks that never deposited or published.
 
 from __future__ import annotations
 
-import errno
 import logging
-import mmap
 import os
 import secrets
 import threading
@@ -71,6 +75,7 @@ from ...errors import CollectiveTimeoutError, ReplicaAborted
 from ...reduce_op import WIRE_DTYPES, ReduceOp
 from ..base import Pending
 from ..reduction import reduce_into
+from .shm_files import SHM_DIR, alive, create, open_existing, reads, unlink
 from .watchdog import WorkerFailedError
 
 if TYPE_CHECKING:
@@ -78,9 +83,6 @@ if TYPE_CHECKING:
 
 __all__ = ["SHM_DIR", "SharedMemoryReducer", "usable"]
 
-#: where the buffers live (a tmpfs on Linux); elsewhere the path is off
-SHM_DIR = "/dev/shm"
-_HEADER = 64  # bytes; the data starts cache-line aligned
 _DEPOSITED, _PUBLISHED = 0, 1
 _BLOCK_BYTES = 1 << 20  # per block of a slice: its running result is re-read from cache
 # A wait yields the core for its first millisecond, then sleeps 50 us, doubling to
@@ -88,6 +90,8 @@ _BLOCK_BYTES = 1 << 20  # per block of a slice: its running result is re-read fr
 # model: 1 ms pauses left 2-5 ms per step in the final wait, these 1-3 ms).
 _SPIN = 1e-3
 _MAX_PAUSE = 2e-4
+_ARENA_MIN_BYTES = 1 << 20
+_ARENA_MAX_BYTES = 256 << 20  # larger synchronous calls take the backend
 _ABORT_CHECK = 0.25  # seconds between checks of the store's abort key while waiting
 _fence = threading.Lock()  # acquiring and releasing it orders memory (see the module docstring)
 
@@ -107,17 +111,17 @@ class _Segment:
 
     def __init__(self, index: int, path: str, numel: int, dtype: torch.dtype):
         self.index, self.path, self.numel, self.dtype = index, path, numel, dtype
-        self.tensor, self.header = _create(path, numel, dtype)
+        self.tensor, self.header = create(path, numel, dtype)
         self.copies: list[torch.Tensor] = []  # every worker's data, in rank order
         self.headers: list[memoryview] = []
         self.seq = 0  # rounds started on this buffer
 
 
 class _Round:
-    __slots__ = ("segment", "seq", "op", "reduced")
+    __slots__ = ("segment", "seq", "op", "numel", "reduced")
 
-    def __init__(self, segment: _Segment, seq: int, op: ReduceOp):
-        self.segment, self.seq, self.op, self.reduced = segment, seq, op, False
+    def __init__(self, segment: _Segment, seq: int, op: ReduceOp, numel: int):
+        self.segment, self.seq, self.op, self.numel, self.reduced = segment, seq, op, numel, False
 
 
 class SharedMemoryReducer:
@@ -128,11 +132,13 @@ class SharedMemoryReducer:
         self._enabled: bool | None = None  # decided by the probe, at the first buffer
         self._tokens: list[str] = []
         self._pids: list[int] = []  # every worker's process id (the same host)
+        self._arenas: dict[torch.dtype, _Segment] = {}  # staging buffers of the synchronous calls
+        self._refused: dict[torch.dtype, int] = {}  # arena sizes the workers could not create
         self._segments: dict[int, _Segment] = {}  # data_ptr -> segment
         self._count = 0
         self._open: list[_Round] = []  # rounds started whose slice this worker has not reduced
         self._paths: list[str] = []
-        self._finalizer = weakref.finalize(self, _unlink, self._paths)
+        self._finalizer = weakref.finalize(self, unlink, self._paths)
 
     @property
     def enabled(self) -> bool:
@@ -166,7 +172,7 @@ class SharedMemoryReducer:
                 return None  # every worker gives this buffer up together
             self._map_everyone(segment)
         finally:
-            _unlink([path])  # mapped everywhere (or given up): the name is not needed
+            unlink([path])  # mapped everywhere (or given up): the name is not needed
         self._segments[segment.tensor.data_ptr()] = segment
         return segment.tensor
 
@@ -178,7 +184,7 @@ class SharedMemoryReducer:
             if rank == eng.rank:
                 tensor, header = segment.tensor, segment.header
             else:
-                tensor, header = _open(self._path(rank, segment.index), segment.numel, segment.dtype)
+                tensor, header = open_existing(self._path(rank, segment.index), segment.numel, segment.dtype)
             segment.copies.append(tensor)
             segment.headers.append(header)
         self._meet(f"mapped/{segment.index}")
@@ -223,12 +229,12 @@ class SharedMemoryReducer:
             self._pids = [int(pid) for pid, _, _ in posted]
             # Same host: every probe file readable, every peer process visible (its death is then
             # noticed while waiting; in another pid namespace the path stays off).
-            ok = all(tokens) and all(_reads(os.path.join(SHM_DIR, f"crossreplica-{t}-probe"), t) for t in tokens) \
-                and all(_alive(pid) for pid in self._pids)
+            ok = all(tokens) and all(reads(os.path.join(SHM_DIR, f"crossreplica-{t}-probe"), t) for t in tokens) \
+                and all(alive(pid) for pid in self._pids)
             agreed = all(v == b"1" for v in self._meet("verdicts", "1" if ok else "0"))
         finally:
             if token:
-                _unlink([path])
+                unlink([path])
         self._tokens = tokens
         _log.info("torch_dist engine: worker rank %d: same-host shared-memory all-reduce %s", rank,
                   "on" if agreed else f"off (the workers do not share a host, or {SHM_DIR} is not usable)")
@@ -245,16 +251,67 @@ class SharedMemoryReducer:
             if segment is None or t.numel() != segment.numel or t.dtype != segment.dtype:
                 return None
             segments.append(segment)
-        rounds = []
-        for segment in segments:
-            segment.seq += 1
-            with _fence:
-                pass
-            segment.header[_DEPOSITED] = segment.seq
-            rounds.append(_Round(segment, segment.seq, op))
-        self._open.extend(rounds)
+        rounds = [self._deposit(segment, segment.numel, op) for segment in segments]
         self.progress()
         return Pending(lambda: self._finish(rounds, list(tensors)))
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp, inplace: bool) -> list[torch.Tensor] | None:
+        """A synchronous all-reduce over every worker through this worker's arena: the
+        tensors are copied in, reduced, and copied out (into themselves when ``inplace``,
+        else into new tensors); None when the path does not take them (the caller takes
+        the backend): a dtype it leaves to the backend, or more than ``_ARENA_MAX_BYTES``
+        of one dtype. Each dtype has an arena of its own."""
+        totals: dict[torch.dtype, int] = {}
+        for t in tensors:
+            if not t.dtype.is_floating_point or t.dtype in WIRE_DTYPES:
+                return None
+            totals[t.dtype] = totals.get(t.dtype, 0) + t.numel()
+        arenas = {}
+        for dtype, total in totals.items():  # the same dtypes in the same order on every worker
+            arena = self._arena(total, dtype) if total else None
+            if arena is None:
+                return None
+            arenas[dtype] = arena
+        places = []  # (tensor, its slice of its arena)
+        offsets = dict.fromkeys(arenas, 0)
+        for t in tensors:
+            n, offset = t.numel(), offsets[t.dtype]
+            place = arenas[t.dtype].tensor[offset:offset + n].view(t.shape)
+            place.copy_(t)
+            places.append(place)
+            offsets[t.dtype] = offset + n
+        self._finish([self._deposit(arenas[d], totals[d], op) for d in arenas], [])
+        return [t.copy_(place) if inplace else place.clone() for t, place in zip(tensors, places)]
+
+    def _arena(self, numel: int, dtype: torch.dtype) -> _Segment | None:
+        """This worker's staging buffer for synchronous calls of ``dtype``, grown (together
+        with every worker: they make the same calls) to hold ``numel`` elements."""
+        arena = self._arenas.get(dtype)
+        if arena is not None and arena.numel >= numel:
+            return arena
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if numel * itemsize > _ARENA_MAX_BYTES or numel >= self._refused.get(dtype, numel + 1):
+            return None
+        size = max(numel, 2 * arena.numel if arena is not None else 0, _ARENA_MIN_BYTES // itemsize)
+        size = min(size, _ARENA_MAX_BYTES // itemsize)
+        tensor = self.buffer(size, dtype)
+        if tensor is None:  # given up by the workers together: remembered the same everywhere
+            self._refused[dtype] = min(numel, self._refused.get(dtype, numel))
+            return None
+        if arena is not None:
+            del self._segments[arena.tensor.data_ptr()]  # the old arena's mappings go with it
+        self._arenas[dtype] = arena = self._segments[tensor.data_ptr()]
+        return arena
+
+    def _deposit(self, segment: _Segment, numel: int, op: ReduceOp) -> _Round:
+        """Publishes that this worker's first ``numel`` elements of ``segment`` are in place."""
+        segment.seq += 1
+        with _fence:
+            pass
+        segment.header[_DEPOSITED] = segment.seq
+        r = _Round(segment, segment.seq, op, numel)
+        self._open.append(r)
+        return r
 
     def progress(self) -> None:
         """Reduces this worker's slice of every started round that all workers have deposited."""
@@ -267,7 +324,7 @@ class SharedMemoryReducer:
 
     def _reduce_slice(self, r: _Round) -> None:
         segment, eng = r.segment, self._eng
-        copies, n, w = segment.copies, segment.numel, eng.world_size
+        copies, n, w = segment.copies, r.numel, eng.world_size
         lo, hi = n * eng.rank // w, n * (eng.rank + 1) // w
         step = max(1, _BLOCK_BYTES // segment.tensor.element_size())
         for s in range(lo, hi, step):
@@ -300,7 +357,7 @@ class SharedMemoryReducer:
                 aborted = watchdog.abort_message()
                 if aborted is not None:
                     raise ReplicaAborted(f"{aborted}; this worker was released from {watchdog.where}")
-                dead = [rank for rank, pid in enumerate(self._pids) if rank != eng.rank and not _alive(pid)]
+                dead = [rank for rank, pid in enumerate(self._pids) if rank != eng.rank and not alive(pid)]
                 if dead:
                     raise WorkerFailedError(
                         f"collective {watchdog.where} failed on worker rank {eng.rank} (same-host shared "
@@ -340,74 +397,3 @@ def _all_at_least(headers: list[memoryview], word: int, seq: int) -> bool:
         if header[word] < seq:
             return False
     return True
-
-
-def _create(path: str, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, memoryview]:
-    """A new zeroed file of header + data at ``path`` (complete before the name appears)."""
-    size = _HEADER + numel * torch.empty((), dtype=dtype).element_size()
-    tmp = f"{path}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        try:  # reserve the pages now: a full tmpfs fails here, not with SIGBUS at a later write
-            os.posix_fallocate(fd, 0, size)
-        except (AttributeError, OSError) as e:
-            if isinstance(e, OSError) and e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            os.ftruncate(fd, size)  # a file system (or platform) without fallocate
-        os.rename(tmp, path)
-        return _map(fd, size, numel, dtype)
-    except BaseException:
-        _unlink([tmp, path])
-        raise
-    finally:
-        os.close(fd)
-
-
-def _open(path: str, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, memoryview]:
-    size = _HEADER + numel * torch.empty((), dtype=dtype).element_size()
-    fd = os.open(path, os.O_RDWR)
-    try:
-        if os.fstat(fd).st_size != size:
-            raise RuntimeError(f"shared-memory buffer {path} holds {os.fstat(fd).st_size} bytes; expected "
-                               f"{size}: the workers asked for different buffers")
-        return _map(fd, size, numel, dtype)
-    finally:
-        os.close(fd)
-
-
-def _map(fd: int, size: int, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, memoryview]:
-    mm = mmap.mmap(fd, size)
-    header = memoryview(mm)[:_HEADER].cast("q")  # type: ignore[arg-type]
-    tensor = torch.frombuffer(mm, dtype=dtype, count=numel, offset=_HEADER)
-    return tensor, header
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie (a worker that died, not yet reaped)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
-
-
-def _reads(path: str, token: str) -> bool:
-    try:
-        with open(path) as f:
-            return f.read() == token
-    except OSError:
-        return False
-
-
-def _unlink(paths: list[str]) -> None:
-    for path in paths:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
