@@ -392,3 +392,26 @@ def test_cli_log_level_writes_records_to_stderr_and_restores_logging(capsys):
     assert "crossreplica.strategies" not in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(args + ["--log-level", "loud"])
+
+
+def _late_sum(x):
+    first = cr.all_reduce(x, "sum")  # the workers agree on shared memory here (the probe)
+    if cr.replica_id() == 1:
+        time.sleep(1.5)
+    return cr.all_reduce(first, "sum")
+
+
+@pytest.mark.multiprocess
+def test_a_slow_collective_through_shared_memory_is_logged(monkeypatch):
+    """One replica per worker on one host: the all-reduce goes through shared memory,
+    whose wait logs the same WARNING naming the worker not arrived."""
+    monkeypatch.setenv("CROSSREPLICA_SLOW_SECONDS", "0.3")
+    with crt.WorkerPool(2, 1, timeout_seconds=30, log_level="INFO") as pool:
+        out = pool.run(_late_sum, [torch.full((2,), float(i)) for i in range(2)])
+        assert out.ok, out.log
+        assert all(r.tolist() == [2.0, 2.0] for r in out.results.values())
+        logs = pool.logs(limit=200_000)
+    assert "same-host shared-memory all-reduce on" in logs
+    assert "WARNING crossreplica.engines.torch_dist.watchdog: collective all_reduce(op=sum, groups=[[0, 1]]" in logs
+    assert "on worker rank 0: worker ranks [1] (replicas [1]) have not reached it yet (ranks taking part: " \
+           "[0, 1]); it fails after 30s" in logs

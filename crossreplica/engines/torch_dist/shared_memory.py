@@ -5,8 +5,8 @@ over loopback TCP, so every byte is copied into the kernel and out again and
 summed on gloo's threads. Processes of one host can instead map each other's
 buffers: each worker reduces its 1/W slice of every worker's buffer and writes
 the result into all of them. Measured on the 2-core VM (2 workers, float32, the
-copy into the buffer included; ``benchmarks/dist_allreduce.py``): 3.5 ms for
-16 MiB against gloo's 10.7 ms in place, 26 us for 256 KiB against 0.55 ms.
+copy into the buffer included; ``benchmarks/dist_allreduce.py``, BENCHMARKS.md):
+2.4 ms for 16 MiB against gloo's 14.3 ms in place, 29 us for 256 KiB against 0.50 ms.
 
 Scope: one replica per worker, CPU tensors of the floating dtypes that reduce
 in their own dtype (float16 and bfloat16 arrive as float32), a group of every
@@ -51,8 +51,9 @@ write; a buffer that any worker could not create is given up by all of them,
 and that bucket takes the backend.
 
 Waits poll the peers' headers (yielding for 1 ms, then sleeps of at most 0.2 ms);
-every quarter second they check the store's abort key and whether every peer
-process is still alive (the probe exchanged process ids: a worker killed in
+every quarter second they check the store's abort key, log the slow-collective
+WARNING once past its threshold (``logs.slow_seconds``, as the backend's waits
+do), and check whether every peer process is still alive (the probe exchanged process ids: a worker killed in
 the middle of a round is a WorkerFailedError naming it at once, as gloo's
 broken connection is), and at the timeout they raise CollectiveTimeoutError
 naming the worker ranks that never deposited or published.
@@ -200,11 +201,15 @@ class SharedMemoryReducer:
         store.set(f"{prefix}/{rank}", value)
         keys = [f"{prefix}/{r}" for r in range(self._eng.world_size)]
         deadline = time.monotonic() + watchdog.timeout
-        pause = 1e-4
+        pause, warned = 1e-4, False
         while not store.check(keys):
             aborted = watchdog.abort_message()
             if aborted is not None:
                 raise ReplicaAborted(f"{aborted}; this worker was released from {watchdog.where}")
+            if not warned and watchdog.timeout - (deadline - time.monotonic()) >= watchdog.slow:
+                warned = True
+                watchdog.warn_slow(deadline, range(self._eng.world_size),
+                                   [r for r, key in enumerate(keys) if not store.check([key])])
             if time.monotonic() >= deadline:
                 late = [r for r, key in enumerate(keys) if not store.check([key])]
                 raise CollectiveTimeoutError(
@@ -213,6 +218,8 @@ class SharedMemoryReducer:
                     tuple(late))
             time.sleep(pause)
             pause = min(2 * pause, 0.02)
+        if warned:
+            watchdog.completed(deadline)
         return [store.get(key) for key in keys]
 
     def _probe(self) -> bool:
@@ -355,9 +362,12 @@ class SharedMemoryReducer:
         deadline = time.monotonic() + watchdog.timeout
         next_check, pause = time.monotonic() + _ABORT_CHECK, 5e-5
         spin_until = time.monotonic() + _SPIN
+        warned = False
         while True:
             self.progress()
             if all(r.reduced and _all_at_least(r.segment.headers, _PUBLISHED, r.seq) for r in rounds):
+                if warned:
+                    watchdog.completed(deadline)
                 break
             now = time.monotonic()
             if now >= next_check:
@@ -370,6 +380,9 @@ class SharedMemoryReducer:
                     raise WorkerFailedError(
                         f"collective {watchdog.where} failed on worker rank {eng.rank} (same-host shared "
                         f"memory): worker ranks {dead} (replicas {dead}) died", tuple(dead))
+                if not warned and watchdog.timeout - (deadline - now) >= watchdog.slow:
+                    warned = True
+                    watchdog.warn_slow(deadline, range(eng.world_size), self._late(rounds))
             if now >= deadline:
                 late = self._late(rounds)
                 raise CollectiveTimeoutError(

@@ -119,7 +119,7 @@ class Watchdog:
             try:
                 work.wait(datetime.timedelta(seconds=max(min(_SLICE, left), 0.001)))
                 if warned:
-                    self._completed(deadline)
+                    self.completed(deadline)
                 return
             except RuntimeError as e:
                 # Anything but the end of a slice (or a finished work) is the backend
@@ -132,7 +132,7 @@ class Watchdog:
             self._raise_if_aborted_or_late(deadline, ranks, lambda: self._missing(ranks))
             if not warned and self.timeout - (deadline - time.monotonic()) >= self.slow:
                 warned = True
-                self._warn_slow(deadline, ranks, self._missing(ranks))
+                self.warn_slow(deadline, ranks, self._missing(ranks))
 
     def await_peers(self, peers: Sequence[int], ranks: Sequence[int]) -> float:
         """Posts this worker's arrival at its next exchange with each of ``peers`` and waits
@@ -151,7 +151,7 @@ class Watchdog:
                        if self.store.add(f"{self._prefix}/p2p/{peer}->{self.rank}", 0) < want[peer]]
             if not waiting:
                 if warned:
-                    self._completed(deadline)
+                    self.completed(deadline)
                 return deadline
             if not posted and pause >= 0.01:
                 self.post_progress()
@@ -159,7 +159,7 @@ class Watchdog:
             self._raise_if_aborted_or_late(deadline, ranks, lambda: waiting)  # noqa: B023 - called at once
             if not warned and self.timeout - (deadline - time.monotonic()) >= self.slow:
                 warned = True
-                self._warn_slow(deadline, ranks, waiting)
+                self.warn_slow(deadline, ranks, waiting)
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
 
@@ -178,13 +178,15 @@ class Watchdog:
                 f"{self.rank}: worker ranks {late} (replicas {list(replicas)}) never "
                 f"arrived (ranks taking part: {list(ranks)})", replicas)
 
-    def _warn_slow(self, deadline: float, ranks: Sequence[int], late: Sequence[int]) -> None:
+    def warn_slow(self, deadline: float, ranks: Sequence[int], late: Sequence[int]) -> None:
+        """The WARNING of a wait past the slow threshold (once per wait; any transport)."""
         waited = self.timeout - (deadline - time.monotonic())
         _log.warning("collective %s has waited %.3gs on worker rank %s: worker ranks %s (replicas %s) have "
                      "not reached it yet (ranks taking part: %s); it fails after %gs", self.where, waited,
                      self.rank, list(late), list(self._replicas_of(late)), list(ranks), self.timeout)
 
-    def _completed(self, deadline: float) -> None:
+    def completed(self, deadline: float) -> None:
+        """The INFO record of a wait that completed after its slow warning."""
         if _log.isEnabledFor(logging.INFO):
             _log.info("collective %s on worker rank %s completed after %.3gs", self.where, self.rank,
                       self.timeout - (deadline - time.monotonic()))
