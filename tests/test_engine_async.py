@@ -75,12 +75,16 @@ def _late(x):
     return True
 
 
-def test_late_replica_times_out_naming_it():
-    s = cr.MirroredStrategy(2, devices=["cpu"] * 2, timeout_seconds=1.0)
+def _fails_within(fn, error, match, timeout, bound):
+    s = cr.MirroredStrategy(2, devices=["cpu"] * 2, timeout_seconds=timeout)
     t0 = time.monotonic()
-    with pytest.raises(cr.CollectiveTimeoutError, match=r"replicas \[1\] never arrived"):
-        s.run(_late, args=(torch.ones(10),))
-    assert time.monotonic() - t0 < 8
+    with pytest.raises(error, match=match):
+        s.run(fn, args=(torch.ones(10),))
+    assert time.monotonic() - t0 < bound
+
+
+def test_late_replica_times_out_naming_it():
+    _fails_within(_late, cr.CollectiveTimeoutError, r"replicas \[1\] never arrived", timeout=1.0, bound=8)
 
 
 def _returns_early(x):
@@ -91,11 +95,7 @@ def _returns_early(x):
 
 
 def test_replica_returning_early_is_a_mismatch():
-    s = cr.MirroredStrategy(2, devices=["cpu"] * 2, timeout_seconds=30.0)
-    t0 = time.monotonic()
-    with pytest.raises(cr.CollectiveMismatchError, match=r"replicas \[1\] returned"):
-        s.run(_returns_early, args=(torch.ones(10),))
-    assert time.monotonic() - t0 < 5
+    _fails_within(_returns_early, cr.CollectiveMismatchError, r"replicas \[1\] returned", timeout=30.0, bound=5)
 
 
 def _disagree(x):

@@ -157,22 +157,26 @@ def test_late_worker_times_out_naming_it():
     assert survivor.elapsed < 6, survivor
 
 
-def _raise_in_backward(x: torch.Tensor) -> bool:
+def _fails_in_backward(x: torch.Tensor, how: str) -> bool:
+    """Two steps; in the second, replica 1 raises (``how="raise"``) or its process dies
+    (``"die"``: no exception, no clean-up) in the middle of backward."""
     model = _net()
     opt = cr.CrossShardOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bytes_per_pack=256, overlap=True)
     for step in range(2):
         out = model(x)
         if step == 1 and cr.replica_id() == 1:
-            def boom(grad):
+            def fail(grad):
+                if how == "die":
+                    os._exit(3)
                 raise RuntimeError("replica failed mid-backward")
-            out.register_hook(boom)
+            out.register_hook(fail)
         F.cross_entropy(out, torch.zeros(5, dtype=torch.long)).backward()
         opt.step()
     return True
 
 
 def test_failing_worker_releases_the_other():
-    out = launch(_raise_in_backward, [torch.ones(5, 6)] * 2, timeout_seconds=60.0)
+    out = launch(_fails_in_backward, [torch.ones(5, 6)] * 2, ["raise"] * 2, timeout_seconds=60.0)
     assert set(out.failures) == {0, 1}, out.log[-3000:]
     survivor = out.failures[0]
     assert "mid-backward" in survivor.message, survivor
@@ -201,22 +205,8 @@ def test_a_buffer_one_worker_cannot_create_is_given_up_everywhere():
             assert torch.equal(x, y)
 
 
-def _dies_in_backward(x: torch.Tensor) -> bool:
-    model = _net()
-    opt = cr.CrossShardOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), overlap=True)
-    for step in range(2):
-        out = model(x)
-        if step == 1 and cr.replica_id() == 1:
-            def die(grad):
-                os._exit(3)  # a crash in the middle of backward: no exception, no clean-up
-            out.register_hook(die)
-        F.cross_entropy(out, torch.zeros(5, dtype=torch.long)).backward()
-        opt.step()
-    return True
-
-
 def test_dead_worker_fails_the_other_promptly():
-    out = launch(_dies_in_backward, [torch.ones(5, 6)] * 2, timeout_seconds=60.0)
+    out = launch(_fails_in_backward, [torch.ones(5, 6)] * 2, ["die"] * 2, timeout_seconds=60.0)
     assert out.exitcodes[1] == 3
     survivor = out.failures[0]
     assert survivor.is_instance("WorkerFailedError"), survivor
