@@ -39,7 +39,7 @@ from .rendezvous import Rendezvous
 
 __all__ = ["AsyncRounds"]
 
-_CHUNK_BYTES = 1048576  # the unit of work one replica claims
+_CHUNK_BYTES = 1 << 20  # the unit of work one replica claims
 
 
 class _Round:

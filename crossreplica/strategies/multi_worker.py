@@ -284,7 +284,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             torch.cuda.set_device(devs[0])
             comm = devs[0]
         if replicas_per_worker == 1:
-            # Same-host workers all-reduce the optimizer's buckets through shared memory
+            # Same-host workers all-reduce floating point through shared memory
             # (engines/torch_dist/shared_memory.py) unless CROSSREPLICA_SHARED_MEMORY=0.
             shared = os.environ.get("CROSSREPLICA_SHARED_MEMORY") is None or _env_flag("CROSSREPLICA_SHARED_MEMORY")
             engine: TorchDistEngine = TorchDistEngine(

@@ -92,8 +92,9 @@ class TorchDistEngine(Engine):
         # input: reused buffers spare the page faults of a fresh one each call.
         self.pool = BufferPool(max_buffers=8)
         self._broken: BaseException | None = None
-        #: the same-host all-reduce of the buffers from :meth:`shared_buffer`, where the
-        #: layout allows it (the workers' probe decides at the first buffer)
+        #: the same-host all-reduce (the buffers from :meth:`shared_buffer`, and synchronous
+        #: floating-point calls), where the layout allows it (the workers' probe decides at
+        #: the first such call)
         self.shared_memory = SharedMemoryReducer(self) if shared_memory and usable(self) else None
         _log.info("torch_dist engine: worker rank %d of %d (backend %s), local replicas %s of %d on %s, "
                   "timeout %gs, slow-collective warning after %gs", self.rank, self.world_size, self.backend,

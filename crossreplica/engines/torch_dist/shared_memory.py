@@ -168,7 +168,7 @@ class SharedMemoryReducer:
             segment = _Segment(self._count, path, numel, dtype)
         except OSError as e:  # /dev/shm is full (a container's 64 MB default), or not writable
             _log.warning("worker rank %d could not create a shared-memory buffer of %d elements of %s in %s (%s); "
-                         "this gradient bucket is reduced through the backend on every worker",
+                         "the calls on this buffer go through the backend on every worker",
                          self._eng.rank, numel, dtype, SHM_DIR, e)
         try:
             created = self._meet(f"created/{self._count}", "1" if segment is not None else "0")
@@ -282,7 +282,7 @@ class SharedMemoryReducer:
             if arena is None:
                 return None
             arenas[dtype] = arena
-        places = []  # (tensor, its slice of its arena)
+        places = []  # each tensor's slice of its dtype's arena
         offsets = dict.fromkeys(arenas, 0)
         for t in tensors:
             n, offset = t.numel(), offsets[t.dtype]
