@@ -4,6 +4,7 @@ WARNING/ERROR (threads and processes), misuse warnings, and ``crossreplica train
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -402,6 +403,7 @@ def _late_sum(x):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.skipif(not os.access("/dev/shm", os.W_OK), reason="no writable /dev/shm: the workers use the backend")
 def test_a_slow_collective_through_shared_memory_is_logged(monkeypatch):
     """One replica per worker on one host: the all-reduce goes through shared memory,
     whose wait logs the same WARNING naming the worker not arrived."""
