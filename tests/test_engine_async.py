@@ -120,3 +120,17 @@ def test_threads_engine_takes_the_asynchronous_rounds():
         return pending._finish is not None, pending.wait()[0]  # not finished when started
     for started, out in s.experimental_local_results(s.run(fn)):
         assert started and torch.equal(out, torch.ones(4))
+
+
+def _started_unfinished(x):
+    pending = _start(x.clone(), ReduceOp.SUM)
+    started = pending._finish is not None  # not finished when started: the call overlaps
+    return started, pending.wait()[0]
+
+
+def test_four_replicas_overlap_on_every_engine(run_replicas):
+    """Threads: the asynchronous rounds; processes, 2 workers x 2 replicas: the hierarchical
+    engine's leader starts one async all-gather for its worker."""
+    xs = [torch.full((5,), float(r)) for r in range(4)]
+    for started, out in run_replicas(_started_unfinished, 4, xs):
+        assert started and torch.equal(out, torch.full((5,), 6.0))

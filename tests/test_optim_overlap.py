@@ -45,13 +45,14 @@ def _grads(overlap, accumulate, bucket_bytes):
 
 @pytest.mark.parametrize("accumulate", [1, 3])
 @pytest.mark.parametrize("bucket_bytes", [256, 1 << 20])
-def test_overlap_gradients_bitwise_equal(run_replicas, accumulate, bucket_bytes):
-    ours = run_replicas(_grads, 2, [True] * 2, [accumulate] * 2, [bucket_bytes] * 2)
-    ref = run_replicas(_grads, 2, [False] * 2, [accumulate] * 2, [bucket_bytes] * 2)
+@pytest.mark.parametrize("n", [2, 4])  # processes: 2 workers x 1, and 2 x 2 (the hierarchical engine)
+def test_overlap_gradients_bitwise_equal(run_replicas, accumulate, bucket_bytes, n):
+    ours = run_replicas(_grads, n, [True] * n, [accumulate] * n, [bucket_bytes] * n)
+    ref = run_replicas(_grads, n, [False] * n, [accumulate] * n, [bucket_bytes] * n)
     for a, b in zip(ours, ref):
         for x, y in zip(a, b):
             assert torch.equal(x, y)
-    assert all(torch.equal(x, y) for x, y in zip(ours[0], ours[1]))
+    assert all(torch.equal(x, y) for r in range(1, n) for x, y in zip(ours[0], ours[r]))
 
 
 def _train_with_unused_and_sparse(overlap):
@@ -117,11 +118,12 @@ def _fail_mid_backward(fail_rid):
     return True
 
 
-def test_replica_failing_mid_backward_releases_the_others(run_replicas, time_bound):
+@pytest.mark.parametrize("n,fail_rid", [(2, 1), (4, 1), (4, 3)])  # 4: a sibling or the other worker fails
+def test_replica_failing_mid_backward_releases_the_others(run_replicas, time_bound, n, fail_rid):
     import time
     t0 = time.monotonic()
     with pytest.raises(Exception, match="mid-backward|failed"):
-        run_replicas(_fail_mid_backward, 2, [1, 1])
+        run_replicas(_fail_mid_backward, n, [fail_rid] * n)
     assert time.monotonic() - t0 < time_bound(30)
 
 

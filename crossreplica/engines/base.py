@@ -20,7 +20,8 @@ gradient buckets during backward). Every replica starts its asynchronous calls
 in the same order, and ``wait()`` is bounded by the engine's timeout like any
 call. The default runs the call at once (``Pending.done``); an engine that can
 overlap overrides it (torch_dist: async backend work or a shared-memory round;
-threads: a round each replica deposits into, ``async_rounds.py``).
+hierarchical: one async all-gather per worker; threads: a round each replica
+deposits into, ``async_rounds.py``).
 
 The arithmetic every engine shares (the reduction order) is in
 ``reduction.py`` beside this module.

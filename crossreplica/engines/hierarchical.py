@@ -8,6 +8,13 @@ whole worker (:meth:`TorchDistEngine.process`: local members reduce first, then
 one cross-process collective per worker set and dtype). The other local
 replicas wake with their share of the leader's result.
 
+An in-place SUM/MEAN all-reduce started with ``execute_async`` (the optimizer's
+gradient buckets during backward) meets locally the same way, but the leader
+only starts the cross-process part, one async all-gather of the worker's
+tensors (``start_gathered_all_reduce``), and backward goes on while it travels;
+the first local replica to wait reduces the rows in ascending replica id (the
+ordered path's bytes) for all of them.
+
 merge_call is a round of the local rendezvous only (tf semantics: merge_fn
 runs once per worker, on the worker's replicas). Failures inherit both
 mechanisms: the rendezvous releases local replicas at once, the store key of
@@ -17,6 +24,7 @@ the torch.distributed engine releases the other workers.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,9 +32,10 @@ import torch
 
 from ..errors import CollectiveMismatchError
 from ..logs import slow_seconds
-from .base import FINISHED, Call, Kind, check_agreement
+from .base import FINISHED, Call, Kind, Pending, check_agreement
 from .rendezvous import Rendezvous
 from .torch_dist import TorchDistEngine
+from .torch_dist.all_reduce import start_gathered_all_reduce
 
 __all__ = ["HierarchicalEngine"]
 
@@ -35,6 +44,32 @@ _log = logging.getLogger(__name__)
 # Calls whose groups are not narrowed to the local members before comparing (an
 # all_to_all's split sizes are checked by position in the whole group).
 _UNGROUPED = (Kind.MERGE_CALL, Kind.BARRIER, Kind.FINISHED, Kind.PERMUTE, Kind.ALL_TO_ALL)
+
+
+class _SharedPending:
+    """One worker's asynchronous call, waited for by each of its local replicas: the
+    first waiter finishes it; ``wait()`` gives every local replica's outputs (or
+    raises what the first waiter met)."""
+
+    def __init__(self, pending: Pending, leaves_per_replica: list[int]):
+        self._pending, self._sizes = pending, leaves_per_replica
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+
+    def wait(self) -> list[list[torch.Tensor]]:
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            try:
+                flat = self._pending.wait()
+            except BaseException as e:
+                self._error = e
+                raise
+        rows, start = [], 0
+        for k in self._sizes:
+            rows.append(flat[start:start + k])
+            start += k
+        return rows
 
 
 class HierarchicalEngine(TorchDistEngine):
@@ -62,6 +97,28 @@ class HierarchicalEngine(TorchDistEngine):
 
     def _lead(self, calls: list[Call], payloads: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         self._check_local(calls)
+        return self.process(calls, payloads)
+
+    def execute_async(self, replica_id: int, call: Call, tensors: list[torch.Tensor]) -> Pending:
+        """The optimizer's buckets: the local replicas meet, and their leader starts one
+        async all-gather for the whole worker (``start_gathered_all_reduce``); every local
+        replica's Pending waits for it (the first to wait reduces for all). Other calls,
+        and layouts it does not take, run now."""
+        i = self.local_index[replica_id]
+        outcome = self.rendezvous.exchange(i, call, tensors, self._lead_async)
+        if isinstance(outcome, _SharedPending):
+            return Pending(lambda: outcome.wait()[i])
+        return Pending.done(outcome[i])
+
+    def _lead_async(self, calls: list[Call], payloads: list[list[torch.Tensor]]) -> Any:
+        self._check_local(calls)
+        if self.broken is None:
+            try:
+                pending = start_gathered_all_reduce(self, calls[0], payloads)
+            except RuntimeError as e:
+                raise self._failed(e) from e
+            if pending is not None:
+                return _SharedPending(pending, [len(row) for row in payloads])
         return self.process(calls, payloads)
 
     def _check_local(self, calls: list[Call]) -> None:

@@ -30,10 +30,12 @@ linear and the earlier results are identical on every replica), up to rounding.
 What overlaps depends on the engine: across processes (torch_dist, one
 replica per worker) a bucket is async backend work and backward goes on while
 it travels, or, between workers of one host, a shared-memory round whose
-slices each worker reduces when it comes by; in-process replicas (the threads
-engine) deposit a bucket and go on, and whoever comes by next reduces its
-chunks (``engines/async_rounds.py``). Neither needs a communication thread:
-on 2 cores both are busy with backward anyway; see BENCHMARKS.md.
+slices each worker reduces when it comes by; with several replicas per worker
+(the hierarchical engine) the local replicas meet and their leader starts one
+async all-gather for the worker; in-process replicas (the threads engine)
+deposit a bucket and go on, and whoever comes by next reduces its chunks
+(``engines/async_rounds.py``). None needs a communication thread: on 2 cores
+both are busy with backward anyway; see BENCHMARKS.md.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from .plan import Step, by_worker_set
 if TYPE_CHECKING:
     from .engine import TorchDistEngine
 
-__all__ = ["all_reduce", "reduce_scatter", "start_all_reduce"]
+__all__ = ["all_reduce", "reduce_scatter", "start_all_reduce", "start_gathered_all_reduce"]
 
 
 def _dist_op(op: ReduceOp, dtype: torch.dtype) -> Any:
@@ -108,6 +108,45 @@ def start_all_reduce(eng: TorchDistEngine, call: Call, tensors: list[torch.Tenso
             for t in tensors:
                 t.div_(divisor)
         return list(tensors)
+    return Pending(finish)
+
+
+def start_gathered_all_reduce(eng: TorchDistEngine, call: Call,
+                              payloads: list[list[torch.Tensor]]) -> Pending | None:
+    """Starts an in-place SUM/MEAN all-reduce of every local replica's floating-point
+    tensors over every replica as one async all-gather (several local replicas per
+    worker, ordered reductions); the wait reduces the gathered rows in ascending
+    replica id, the ordered path's bytes, and copies the result into every local
+    replica's tensors. None when the call is not of that form (the caller runs it
+    synchronously)."""
+    if (call.kind is not Kind.ALL_REDUCE or not is_inplace(call) or call.params[0] not in (ReduceOp.SUM, ReduceOp.MEAN)
+            or not eng.ordered_reductions or eng.world_size < 2 or eng.check_collectives
+            or len(call.groups) != 1 or len(call.groups[0]) != eng.num_replicas):
+        return None
+    leaves = [t for row in payloads for t in row]
+    if not leaves or not leaves[0].dtype.is_floating_point:
+        return None
+    dtype = leaves[0].dtype
+    if not all(t.device == eng.comm_device and t.dtype == dtype and t.is_contiguous() for t in leaves):
+        return None
+    local = torch.stack([torch.cat([t.view(-1) for t in row]) for row in payloads])  # [local replicas, n]
+    rows = [torch.empty_like(local) for _ in range(eng.world_size)]
+    eng.watchdog.count += 1
+    eng.watchdog.current = call
+    work = dist.all_gather(rows, local, async_op=True)
+    op: ReduceOp = call.params[0]
+
+    def finish() -> list[torch.Tensor]:
+        eng.settle(lambda: eng.watchdog.wait(work, range(eng.world_size)))
+        every = [row for block in rows for row in block.unbind(0)]  # ascending replica id
+        out = torch.empty_like(every[0])
+        reduce_into(op, out, every)
+        for row in payloads:
+            offset = 0
+            for t in row:
+                t.view(-1).copy_(out[offset:offset + t.numel()])
+                offset += t.numel()
+        return [t for row in payloads for t in row]
     return Pending(finish)
 
 
