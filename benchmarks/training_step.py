@@ -7,7 +7,9 @@ momentum 0.9, foreach):
   backward and step on the whole batch of 256;
 * crossreplica: MirroredStrategy with 2 in-process replicas,
   torch.set_num_threads(1) (one intra-op thread per replica), 128 rows each,
-  CrossShardOptimizer (the 7.4 MB of gradients reduced in one engine call).
+  CrossShardOptimizer (the 7.4 MB of gradients reduced in one engine call), and
+  its overlap=True / shard_optimizer_state=True variants (both: each replica
+  steps its slices of its own parameters and copies the other's).
 
 Part 2: the demo's model (digits MLP 64-128-128-10, global batch 64) on 1, 2
 and 4 replicas (intra-op threads = cores // replicas) against plain torch on
@@ -256,14 +258,18 @@ def main() -> None:
     overlap_run, _, _ = strategy_runner(mlp([784, 1024, 1024, 10]), x, y, 2, 1, args.steps, overlap=True)
     shard_run, _, shard_opts = strategy_runner(mlp([784, 1024, 1024, 10]), x, y, 2, 1, args.steps,
                                                shard_optimizer_state=True)
+    both_run, _, both_opts = strategy_runner(mlp([784, 1024, 1024, 10]), x, y, 2, 1, args.steps,
+                                             overlap=True, shard_optimizer_state=True)
     variants = {
         base_name: plain_runner(mlp([784, 1024, 1024, 10]), x, y, 2, args.steps),
         "MirroredStrategy, 2 replicas x 1 intra-op thread": strat_run,
         "  same, overlap=True": overlap_run,
         "  same, shard_optimizer_state=True": shard_run,
+        "  same, overlap=True and shard_optimizer_state=True": both_run,
     }
     mlp_times = measure(variants, args.rounds, args.steps)
-    state_table({"SGD momentum, unsharded": plain_opts, "SGD momentum, shard_optimizer_state=True": shard_opts})
+    state_table({"SGD momentum, unsharded": plain_opts, "SGD momentum, shard_optimizer_state=True": shard_opts,
+                 "SGD momentum, overlap=True and shard_optimizer_state=True": both_opts})
     mlp_base = base_name
     table(f"MLP 784-1024-1024-10, global batch 256, SGD; {args.rounds} rounds x {args.steps} steps, interleaved",
           mlp_times, base_name)

@@ -70,7 +70,8 @@ def _train(mode, clip):
     rid, n = cr.replica_id(), cr.num_replicas()
     m = _net()
     opt = CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.5),
-                              overlap=mode == "overlap", shard_optimizer_state=mode == "sharded",
+                              overlap=mode in ("overlap", "overlap_sharded"),
+                              shard_optimizer_state=mode in ("sharded", "overlap_sharded"),
                               bytes_per_pack=256)
     scaler = torch.amp.GradScaler("cpu", **SCALER)
     records = []
@@ -80,7 +81,7 @@ def _train(mode, clip):
         scaler.scale(_loss(m, x, y, (step, rid) == (INF_STEP, INF_REPLICA % n))).backward()
         norm = None
         if clip:
-            if mode not in ("overlap", "no_synchronize"):  # overlap=True reduced them during backward
+            if mode not in ("overlap", "overlap_sharded", "no_synchronize"):  # overlap reduced them in backward
                 opt.synchronize()
             scaler.unscale_(opt)
             norm = torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM).item()
@@ -111,7 +112,7 @@ def _reference(n, clip):
 
 
 @pytest.mark.parametrize("clip", [False, True], ids=["step", "unscale_clip"])
-@pytest.mark.parametrize("mode", ["plain", "overlap", "sharded"])
+@pytest.mark.parametrize("mode", ["plain", "overlap", "sharded", "overlap_sharded"])
 def test_grad_scaler_recipe_matches_one_process(run_replicas, mode, clip):
     n = 2
     out = run_replicas(_train, n, [mode] * n, [clip] * n)

@@ -92,8 +92,6 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         for flag_name, flag in (("overlap", overlap), ("shard_optimizer_state", shard_optimizer_state)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{flag_name} must be True or False; got {summarize(flag)}")
-        if overlap and shard_optimizer_state:
-            raise ValueError("overlap=True and shard_optimizer_state=True cannot be combined yet; pick one")
         check_int(bytes_per_pack, "bytes_per_pack", low=1, hint=" (bytes)")
         self._optimizer = optimizer
         self._reduction = canonical_reduction(reduction)
@@ -267,7 +265,11 @@ class CrossShardOptimizer(torch.optim.Optimizer):
                 raise ValueError("shard_optimizer_state=True supports neither a closure nor weight=")
             if len(group_of(groups, rctx.replica_id_in_sync_group)) > 1:
                 self._check_owner(rctx)
-                self._sharded.step(rctx, groups, self._reduction, reduced=self._synchronized)
+                overlapped = self._overlapped is not None
+                if overlapped and not self._synchronized:  # what the buckets left
+                    self._reduce_gradients(None)
+                self._sharded.step(rctx, groups, self._reduction, reduced=self._synchronized or overlapped,
+                                   in_place=overlapped)
                 self._synchronized = False
                 return None
         if closure is not None:
