@@ -60,7 +60,11 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         shard_optimizer_state: ZeRO stage 1 (``sharded.py``): reduce-scatter the
             gradients, update only this replica's shard of the parameters and
             optimizer state, all-gather the parameters. Elementwise optimizers
-            only; no closure, no ``weight``, no sparse gradients.
+            only; no closure, no ``weight``, no sparse gradients. With
+            ``overlap=True`` the buckets are all-reduced during backward and
+            the update takes this replica's slice of them; between replica
+            threads of one process, the shard optimizer then steps views of
+            the replica's own parameters and copies the others' slices.
         communication_options: a ``cr.CommunicationOptions``; a non-zero
             ``bytes_per_pack`` replaces the argument of that name; ``timeout_seconds``
             bounds each reduction (through the strategy's cross_device_ops, ``routing.py``).
