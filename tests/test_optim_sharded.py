@@ -113,3 +113,29 @@ def test_sharded_step_after_synchronize_reduces_once(run_replicas):
     ref = run_replicas(_synchronized_then_step, 2, [False] * 2)
     for a, b in zip(ours, ref):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _storage_replaced():
+    """overlap + sharded in-process: a parameter whose storage is replaced between steps
+    (p.data = ...) is still updated, with its optimizer state kept."""
+    rid = cr.replica_id()
+    runs = {}
+    for replace in (False, True):
+        m = _net()
+        opt = CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), overlap=True,
+                                  shard_optimizer_state=True)
+        for step in range(3):
+            if replace and step == 1:
+                for p in m.parameters():
+                    p.data = p.data.clone()
+            g = torch.Generator().manual_seed(10 * step + rid)
+            opt.zero_grad()
+            F.cross_entropy(m(torch.randn(5, 6, generator=g)), torch.randint(0, 3, (5,), generator=g)).backward()
+            opt.step()
+        runs[replace] = [p.detach().clone() for p in m.parameters()]
+    return all(torch.equal(a, b) for a, b in zip(runs[False], runs[True]))
+
+
+def test_sharded_views_follow_replaced_parameter_storage():
+    s = cr.MirroredStrategy(2, devices=["cpu"] * 2)
+    assert all(s.experimental_local_results(s.run(_storage_replaced)))

@@ -76,7 +76,7 @@ class _Views:
     """The in-process form: this member's slices of its own parameters, and every
     member's parameters (to copy their updated slices from)."""
 
-    __slots__ = ("groups", "pos", "k", "slices", "views", "zeros", "members", "ranges")
+    __slots__ = ("groups", "pos", "k", "slices", "views", "zeros", "members", "ranges", "ptrs")
 
     def __init__(self, groups: Groups, pos: int, k: int, param_groups: list[dict[str, Any]],
                  members: list[list[list[torch.Tensor]]]):
@@ -99,6 +99,7 @@ class _Views:
         self.slices = [r[pos] for r in self.ranges]
         self.views = [[g["params"][i].detach().view(-1)[a:b] for i, a, b in mine]
                       for g, mine in zip(param_groups, self.slices)]
+        self.ptrs = _data_ptrs(param_groups)  # the storage the views alias
         self.zeros: dict[int, torch.Tensor] = {}  # the gradient of a slice whose parameter has none
 
 
@@ -207,6 +208,8 @@ class ShardedUpdate:
         """Steps this member's slices of its own parameters, then copies the others' slices."""
         views = self._view_setup(rctx, groups)
         inner = self._inner()
+        if _data_ptrs(self.optimizer.param_groups) != views.ptrs:
+            self._realias(views, inner)  # a parameter's storage was replaced (p.data = ...)
         for i, g in enumerate(self.optimizer.param_groups):
             for view, (index, a, b) in zip(views.views[i], views.slices[i]):
                 grad = g["params"][index].grad
@@ -219,6 +222,9 @@ class ShardedUpdate:
                 view.grad = grad
             inner.param_groups[i].update({k2: v for k2, v in g.items() if k2 != "params"})
         inner.step()
+        for vs in views.views:
+            for view in vs:
+                view.grad = None  # the reduced gradients are not kept alive until the next step
         rid = rctx.replica_id_in_sync_group
         rctx.engine.exchange_objects(rid, BARRIER, None, None)  # every member's slices are updated
         with torch.no_grad():
@@ -229,6 +235,18 @@ class ShardedUpdate:
                         continue
                     for index, a, b in views.ranges[i][j]:
                         own[index].view(-1)[a:b].copy_(member[i][index].detach().view(-1)[a:b])
+
+    def _realias(self, views: _Views, inner: torch.optim.Optimizer) -> None:
+        """Points the shard optimizer's views at the parameters' current storage, keeping
+        their state."""
+        for i, g in enumerate(self.optimizer.param_groups):
+            fresh = [g["params"][index].detach().view(-1)[a:b] for index, a, b in views.slices[i]]
+            for old, new in zip(views.views[i], fresh):
+                if old in inner.state:
+                    inner.state[new] = inner.state.pop(old)
+            views.views[i] = fresh
+            inner.param_groups[i]["params"] = fresh
+        views.ptrs = _data_ptrs(self.optimizer.param_groups)
 
     def _view_state_dict(self, rctx: Any, groups: Groups) -> dict[str, Any]:
         """The unsharded state dict from every member's slices (a meeting of the replica threads)."""
@@ -345,6 +363,10 @@ class ShardedUpdate:
                                            (v.clone() if isinstance(v, torch.Tensor) else v))
                                      for key, v in entry.items()}
             index += len(g["params"])
+
+
+def _data_ptrs(param_groups: list[dict]) -> list[int]:
+    return [p.data_ptr() for g in param_groups for p in g["params"]]
 
 
 def _every(calls: list[Any], objs: list[tuple[int, Any]]) -> dict[int, Any]:
