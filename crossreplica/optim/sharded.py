@@ -23,7 +23,7 @@ In-process with overlap=True (every member of the group a replica thread of this
 process, parameters on the CPU) the gradients arrive already all-reduced, and
 the flat buffers would only add copies: each member's shard optimizer steps
 views of its own parameters' slices in ``[j*c, (j+1)*c)`` (with views of the
-reduced gradients), then, after a barrier, each member copies the other
+reduced gradients), then, between two barriers, each member copies the other
 members' updated slices from their parameters. That moves about 37 MB per step
 on the MLP of benchmarks/training_step.py where the replicated update moves 59
 and the flat path 81, and halves the working set the replicas' simultaneous
@@ -235,6 +235,8 @@ class ShardedUpdate:
                         continue
                     for index, a, b in views.ranges[i][j]:
                         own[index].view(-1)[a:b].copy_(member[i][index].detach().view(-1)[a:b])
+        # Nobody returns (and perhaps changes its parameters in place) while another copies from them.
+        rctx.engine.exchange_objects(rid, BARRIER, None, None)
 
     def _realias(self, views: _Views, inner: torch.optim.Optimizer) -> None:
         """Points the shard optimizer's views at the parameters' current storage, keeping
