@@ -28,6 +28,7 @@ import math
 import threading
 import time
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -100,12 +101,11 @@ class AsyncRounds:
 
     def _complete(self, r: _Round) -> None:
         """The last deposit of a round: checks the calls agree and cuts the work into chunks."""
-        calls = r.calls
+        calls = cast("list[Call]", r.calls)  # every replica has deposited
         first = calls[0]
-        assert first is not None
         if calls.count(first) != self._n:
             try:
-                check_agreement(calls, self._names)  # type: ignore[arg-type]
+                check_agreement(calls, self._names)
             except CollectiveMismatchError as e:
                 self._rendezvous.fail(e)
                 raise

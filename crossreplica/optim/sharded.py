@@ -322,7 +322,7 @@ class ShardedUpdate:
 
     def _load(self, state_dict: dict[str, Any]) -> None:
         if self.views is not None:
-            self._load_views(state_dict)
+            self._load_views(state_dict, self.views)
             return
         layout, inner = self.layout, self._inner()
         if layout is None:
@@ -349,9 +349,8 @@ class ShardedUpdate:
             inner.state[shard] = own
 
 
-    def _load_views(self, state_dict: dict[str, Any]) -> None:
-        views, inner = self.views, self._inner()
-        assert views is not None
+    def _load_views(self, state_dict: dict[str, Any], views: _Views) -> None:
+        inner = self._inner()
         saved = {int(k): v for k, v in state_dict["state"].items()}
         index = 0
         for i, g in enumerate(self.optimizer.param_groups):

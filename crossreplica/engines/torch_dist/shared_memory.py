@@ -97,7 +97,7 @@ _POOLED_BYTES = 1 << 20
 _ARENA_MIN_BYTES = 1 << 20
 _ARENA_MAX_BYTES = 256 << 20  # larger synchronous calls take the backend
 _ABORT_CHECK = 0.25  # seconds between checks of the store's abort key while waiting
-_fence = threading.Lock()  # acquiring and releasing it orders memory (see the module docstring)
+_fence = threading.Lock()
 
 _log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class SharedMemoryReducer:
         self._segments: dict[int, _Segment] = {}  # data_ptr -> segment
         self._count = 0
         self._open: list[_Round] = []  # rounds started whose slice this worker has not reduced
-        self._paths: list[str] = []
+        self._paths: list[str] = []  # files this worker has created and not yet unlinked
         self._finalizer = weakref.finalize(self, unlink, self._paths)
 
     @property
@@ -177,6 +177,7 @@ class SharedMemoryReducer:
             self._map_everyone(segment)
         finally:
             unlink([path])  # mapped everywhere (or given up): the name is not needed
+            self._paths.remove(path)
         self._segments[segment.tensor.data_ptr()] = segment
         return segment.tensor
 
@@ -321,8 +322,7 @@ class SharedMemoryReducer:
     def _deposit(self, segment: _Segment, numel: int, op: ReduceOp) -> _Round:
         """Publishes that this worker's first ``numel`` elements of ``segment`` are in place."""
         segment.seq += 1
-        with _fence:
-            pass
+        _memory_fence()
         segment.header[_DEPOSITED] = segment.seq
         r = _Round(segment, segment.seq, op, numel)
         self._open.append(r)
@@ -332,8 +332,7 @@ class SharedMemoryReducer:
         """Reduces this worker's slice of every started round that all workers have deposited."""
         for r in self._open:
             if not r.reduced and _all_at_least(r.segment.headers, _DEPOSITED, r.seq):
-                with _fence:
-                    pass
+                _memory_fence()
                 self._reduce_slice(r)
         self._open = [r for r in self._open if not r.reduced]
 
@@ -347,8 +346,7 @@ class SharedMemoryReducer:
             reduce_into(r.op, blocks[0], blocks)  # rank 0's block is the accumulator
             for b in blocks[1:]:
                 b.copy_(blocks[0])
-        with _fence:
-            pass
+        _memory_fence()
         segment.header[_PUBLISHED] = r.seq
         r.reduced = True
 
@@ -394,8 +392,7 @@ class SharedMemoryReducer:
             else:
                 time.sleep(pause)
                 pause = min(2 * pause, _MAX_PAUSE)
-        with _fence:
-            pass
+        _memory_fence()
         return tensors
 
     def _late(self, rounds: list[_Round]) -> list[int]:
@@ -411,6 +408,13 @@ class SharedMemoryReducer:
     def close(self) -> None:
         """Unlinks every file this worker still names (the mappings live on with their tensors)."""
         self._finalizer()
+
+
+def _memory_fence() -> None:
+    """Orders this thread's memory accesses around a published header word: a lock's
+    acquire and release are full barriers on every architecture (see the module docstring)."""
+    with _fence:
+        pass
 
 
 def _all_at_least(headers: list[memoryview], word: int, seq: int) -> bool:
