@@ -146,3 +146,36 @@ def test_job_namespace_is_derived_from_the_secret(monkeypatch):
     monkeypatch.delenv("CROSSREPLICA_JOB_SECRET")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "3f1c-random-run-id")
     assert _job_namespace() not in spaces
+
+
+@pytest.mark.parametrize("gpus,local_world,rpw,want", [
+    (1, 1, 2, [[0, 0]]),                    # one process: its replicas share the GPU
+    (2, 2, 1, [[0], [1]]),                  # a GPU per process
+    (4, 2, 2, [[0, 1], [2, 3]]),            # two GPUs per process, one per replica
+    (2, 2, 2, [[0, 0], [1, 1]]),            # more replicas than GPUs: never another process's GPU
+    (4, 2, 3, [[0, 1, 0], [2, 3, 2]]),
+])
+def test_default_devices_give_each_process_gpus_of_its_own(monkeypatch, gpus, local_world, rpw, want):
+    from crossreplica.strategies.multi_worker import MultiWorkerMirroredStrategy as MW
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+    got = [[d.index for d in MW._devices(rpw, None, None, rank)] for rank in range(local_world)]
+    assert got == want
+
+
+def test_more_processes_than_gpus_fall_back_to_the_cpu_or_refuse_nccl(monkeypatch):
+    from crossreplica.strategies.multi_worker import MultiWorkerMirroredStrategy as MW
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.warns(cr.logs.ConfigurationWarning,
+                      match=r"runs on the CPU with gloo: 2 worker processes on this host \(LOCAL_WORLD_SIZE\) but 1 "
+                            r"visible GPU, and NCCL cannot run two processes on one GPU; start at most 1 process "
+                            r"per host \(torchrun --nproc-per-node=1\)"):
+        assert MW._devices(1, None, None, 1) == [torch.device("cpu")]
+    with pytest.raises(ValueError, match=r"backend='nccl': 2 worker processes .* or use backend='gloo'"):
+        MW._devices(1, "nccl", None, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # gloo chosen explicitly: the CPU without a warning
+        assert MW._devices(1, "gloo", None, 0) == [torch.device("cpu")]

@@ -226,5 +226,7 @@ def dual(kind: Kind, groups: Groups, params: tuple, grads: list[torch.Tensor], s
 def gather(run: Run, groups: Groups, dims: tuple, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """all_gather of ``tensors`` along ``dims`` (sizes may differ): the sizes along the gather
     dims travel as one more leaf, so that a backward can scatter uneven parts."""
-    sizes = torch.tensor([t.shape[d] for t, d in zip(tensors, dims)], dtype=torch.int64)
+    # On the replica's device: engines check that every leaf sits where the replica runs.
+    device = tensors[0].device if tensors else None
+    sizes = torch.tensor([t.shape[d] for t, d in zip(tensors, dims)], dtype=torch.int64, device=device)
     return run(Kind.ALL_GATHER, groups, (dims + (0,),), [*tensors, sizes])[:-1]

@@ -34,6 +34,7 @@ from ..errors import CollectiveMismatchError
 from ..logs import slow_seconds
 from .base import FINISHED, Call, Kind, Pending, check_agreement
 from .rendezvous import Rendezvous
+from .streams import FencedRounds
 from .torch_dist import TorchDistEngine
 from .torch_dist.all_reduce import start_gathered_all_reduce
 
@@ -72,6 +73,10 @@ class _SharedPending:
         return rows
 
 
+def _rows(outputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    return outputs
+
+
 class HierarchicalEngine(TorchDistEngine):
     """``len(devices)`` local replicas per worker; see the module docstring."""
 
@@ -83,6 +88,9 @@ class HierarchicalEngine(TorchDistEngine):
         # cross-process wait, which is itself bounded by ``timeout``.
         self.rendezvous = Rendezvous(self.replicas_per_worker, 2 * self.timeout + 5.0,
                                      self.local_replica_ids, slow=slow_seconds(self.timeout))
+        # CUDA replicas: the leader's streams wait for each replica's inputs and theirs for its outputs.
+        self._fenced = (FencedRounds(self.rendezvous) if any(d.type == "cuda" for d in self.devices)
+                        else None)
         _log.info("hierarchical layout: %d workers x %d local replicas (threads); worker rank %d holds "
                   "replicas %s", self.world_size, self.replicas_per_worker, self.rank, list(self.local_replica_ids))
 
@@ -93,6 +101,8 @@ class HierarchicalEngine(TorchDistEngine):
     def execute(self, replica_id: int, call: Call, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         i = self.local_index[replica_id]
         tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+        if self._fenced is not None:
+            return self._fenced.exchange(i, call, tensors, self._lead, _rows)[i]
         return self.rendezvous.exchange(i, call, tensors, self._lead)[i]
 
     def _lead(self, calls: list[Call], payloads: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
@@ -104,6 +114,8 @@ class HierarchicalEngine(TorchDistEngine):
         async all-gather for the whole worker (``start_gathered_all_reduce``); every local
         replica's Pending waits for it (the first to wait reduces for all). Other calls,
         and layouts it does not take, run now."""
+        if self._fenced is not None:  # on CUDA the backend's own streams overlap the transfer
+            return Pending.done(self.execute(replica_id, call, tensors))
         i = self.local_index[replica_id]
         outcome = self.rendezvous.exchange(i, call, tensors, self._lead_async)
         if isinstance(outcome, _SharedPending):

@@ -56,6 +56,7 @@ from .async_rounds import AsyncRounds
 from .buffer_pool import BufferPool
 from .reduction import reduce_into, reduced
 from .rendezvous import Rendezvous
+from .streams import FencedRounds
 
 __all__ = ["ThreadsEngine"]
 
@@ -94,6 +95,10 @@ def _shares_rows(xs: list[torch.Tensor]) -> bool:
 _NO_PAYLOADS: list[Any] = []  # a finished plan's: never read, never written
 
 
+def _plan_outputs(plan: "_Plan") -> list[Any]:
+    return plan.outputs
+
+
 class _Plan:
     """What the leader hands out: finished outputs, or work for every replica."""
 
@@ -124,7 +129,11 @@ class ThreadsEngine(Engine):
         self._pool = BufferPool(max_buffers=4 * self.num_replicas)
         # Every replica on one device (the CPU case): no per-tensor device checks.
         self._one_device = len(set(self.devices)) == 1
+        # CUDA kernels run later, on each thread's stream: rounds are fenced (streams.py),
+        # and the leader computes every output (spreading the work over threads buys nothing).
+        self._cuda = any(d.type == "cuda" for d in self.devices)
         self.rendezvous = rendezvous or Rendezvous(self.num_replicas, timeout, self.local_replica_ids)
+        self._fenced = FencedRounds(self.rendezvous) if self._cuda else None
         # In-place all-reduces started during backward (the optimizer's buckets), on one CPU.
         self._async = (AsyncRounds(self.rendezvous, self.local_replica_ids)
                        if self._one_device and self.devices[0].type == "cpu" and self.num_replicas > 1 else None)
@@ -158,6 +167,8 @@ class ThreadsEngine(Engine):
         # Nothing here calls into torch: on the small-message path only the leader
         # runs kernels, so the replica threads never fight over the GIL.
         i = self._index[replica_id]
+        if self._fenced is not None:
+            return self._fenced.exchange(i, call, tensors, self._lead, _plan_outputs, timeout).outputs[i]
         plan = self.rendezvous.exchange(i, call, tensors, self._lead, timeout)
         if not plan.parallel:
             return plan.outputs[i]
@@ -191,7 +202,7 @@ class ThreadsEngine(Engine):
         if calls.count(call) != len(calls) or call.kind is Kind.ALL_TO_ALL:
             check_agreement(calls, self.local_replica_ids)
         nbytes = sum(math.prod(s) * d.itemsize for s, d in zip(call.shapes, call.dtypes))
-        parallel = (self.num_replicas > 1 and nbytes >= PARALLEL_BYTES
+        parallel = (self.num_replicas > 1 and not self._cuda and nbytes >= PARALLEL_BYTES
                     and all(len(g) > 1 for g in call.groups) and call.kind is not Kind.PERMUTE)
         if is_inplace(call):
             check_inplace(payloads)

@@ -61,15 +61,16 @@ def canonical_weight(weight: Any) -> float:
     return check_number(weight, "weight", hint=" (usually the replica's row count, x.shape[0])")
 
 
-def loss_to_buffer(loss: Any) -> torch.Tensor | None:
-    """The closure's loss as a float64 buffer for the reduction, or None if it is no number."""
+def loss_to_buffer(loss: Any, device: torch.device) -> torch.Tensor | None:
+    """The closure's loss as a float64 buffer on the replica's ``device`` for the reduction,
+    or None if it is no number."""
     if isinstance(loss, torch.Tensor):
         if loss.numel() != 1 or loss.is_sparse:
             return None
         # A copy: the engine reduces this buffer in place, and the caller's loss stays as it was.
-        return loss.detach().reshape(1).to("cpu", torch.float64, copy=True)
+        return loss.detach().reshape(1).to(device, torch.float64, copy=True)
     if isinstance(loss, numbers.Real) and not isinstance(loss, bool):
-        return torch.tensor([float(loss)], dtype=torch.float64)
+        return torch.tensor([float(loss)], dtype=torch.float64, device=device)
     return None
 
 

@@ -401,7 +401,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
                     f"pass weight > 0 (its row count)")
             return loss
         grads, sparse, key = self._collect()
-        loss_buffer = loss_to_buffer(loss)
+        loss_buffer = loss_to_buffer(loss, rctx.device)
         if not grads and not sparse and loss_buffer is None:
             return loss
         total_weight = None
@@ -418,7 +418,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
                         buffers[i] = buf.mul_(w) if own else buf * w
                     else:
                         buffers[i] = buf.zero_() if own else torch.zeros_like(buf)
-                buffers.append(torch.tensor([w], dtype=torch.float64))
+                buffers.append(torch.tensor([w], dtype=torch.float64, device=rctx.device))
             # An unweighted mean lets the engine divide while each block is hot in cache; that
             # is the same sum-then-divide, so bitwise the result of cr.all_reduce(g, "mean").
             op = ReduceOp.MEAN if self._reduction is ReduceOp.MEAN and not weighted else ReduceOp.SUM

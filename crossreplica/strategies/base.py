@@ -171,7 +171,7 @@ class Strategy(LogicalDeviceMethods, TFCompatMethods):
         if op is ReduceOp.MEAN:
             total = self.extended.cross_device_reduce(ReduceOp.SUM, [t.sum(axis, dtype=dtype) for t in tensors])
             count = self.extended.cross_device_reduce(
-                ReduceOp.SUM, [torch.tensor(t.shape[axis] if t.dim() else 1) for t in tensors])
+                ReduceOp.SUM, [torch.tensor(t.shape[axis] if t.dim() else 1, device=t.device) for t in tensors])
             return total / count.to(total.device)
         local = {ReduceOp.SUM: lambda t: t.sum(axis, dtype=dtype), ReduceOp.MAX: lambda t: t.amax(axis),
                  ReduceOp.MIN: lambda t: t.amin(axis), ReduceOp.PROD: lambda t: t.prod(axis, dtype=dtype)}[op]

@@ -223,9 +223,12 @@ class MultiWorkerMirroredStrategy(Strategy):
         timeout_seconds: bound on every collective and on process-group set-up
             (env CROSSREPLICA_TIMEOUT, default 300). A worker that dies or
             raises makes the others fail within it.
-        devices: this worker's devices, one per local replica. Default: CUDA
-            devices ``LOCAL_RANK * replicas_per_worker + i`` (mod the count)
-            when CUDA is available and the backend is not gloo, else the CPU.
+        devices: this worker's devices, one per local replica. Default, when CUDA
+            is available and the backend is not gloo: the host's GPUs split evenly
+            between its LOCAL_WORLD_SIZE processes, local replica ``i`` on the
+            process's ``i % share``-th GPU (NCCL needs a GPU of its own per process:
+            with more processes than GPUs the CPU is used, with a warning, or
+            ``backend="nccl"`` raises); else the CPU.
         check_collectives: before every collective, compare every replica's
             call across workers and raise CollectiveMismatchError listing them
             on a mismatch (env CROSSREPLICA_CHECK_COLLECTIVES=1). Costs one
@@ -239,7 +242,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             either way.
         logical_devices_per_replica: devices each local replica owns (model
             parallelism inside a replica): ``devices`` then lists ``k`` per replica,
-            consecutive; the default takes CUDA devices ``LOCAL_RANK * r * k + j``.
+            consecutive; the default spreads them over the process's GPUs as above.
         cross_device_ops: how every cross-device reduction is done (default
             ``cr.AllReduceCrossDeviceOps()``; see docs/collectives.md).
         communication_options: a ``cr.CommunicationOptions``, as TF's argument of that
@@ -319,8 +322,21 @@ class MultiWorkerMirroredStrategy(Strategy):
                 raise ValueError(f"devices must all be CPU or all CUDA; got {summarize(devices)}")
             return devs
         if backend != "gloo" and torch.cuda.is_available() and torch.cuda.device_count():
-            n = torch.cuda.device_count()
-            return [torch.device("cuda", (local_rank * r * k + i) % n) for i in range(r * k)]
+            gpus = torch.cuda.device_count()
+            local_world = _env_int("LOCAL_WORLD_SIZE", 1) or 1
+            if local_world <= gpus:
+                # Each process of this host gets its own GPUs: NCCL refuses two ranks on one GPU.
+                share = gpus // local_world
+                return [torch.device("cuda", local_rank * share + i % share) for i in range(r * k)]
+            why = (f"{local_world} worker processes on this host (LOCAL_WORLD_SIZE) but {gpus} visible "
+                   f"GPU{'s' if gpus > 1 else ''}, and NCCL cannot run two processes on one GPU")
+            fix = (f"start at most {gpus} process{'es' if gpus > 1 else ''} per host (torchrun "
+                   f"--nproc-per-node={gpus}) and use replicas_per_worker for more replicas per GPU")
+            if backend == "nccl":
+                raise ValueError(f"backend='nccl': {why}; {fix}, or use backend='gloo'")
+            warnings.warn(f"MultiWorkerMirroredStrategy runs on the CPU with gloo: {why}; {fix}, or pass "
+                          f"backend='gloo' to choose the CPU without this warning", ConfigurationWarning,
+                          stacklevel=4)
         return [torch.device("cpu")] * (r * k)
 
     @staticmethod

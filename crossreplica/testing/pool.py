@@ -57,6 +57,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.distributed.elastic.multiprocessing import (
     DefaultLogsSpecs,
     PContext,
@@ -65,7 +66,7 @@ from torch.distributed.elastic.multiprocessing import (
 )
 
 from crossreplica.testing.remote import WorkerFailure, WorkerPoolError
-from crossreplica.testing.worker import function_spec, serve
+from crossreplica.testing.worker import check_device_type, function_spec, serve
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -171,11 +172,14 @@ class WorkerPool:
         check_collectives: the strategy's opt-in comparison of every call across workers.
         log_level: a ``logging`` level (``"INFO"``, ``logging.DEBUG``) at which each worker
             writes crossreplica's log records to its stderr; None (default): none.
+        device: ``"cpu"`` (default, gloo) or ``"cuda"``: worker ``w``'s replicas on the
+            visible GPUs from ``cuda:w * replicas_per_worker`` round-robin, joined by NCCL
+            when every worker has a GPU of its own, else by gloo (:attr:`backend`).
     """
 
     def __init__(self, num_workers: int, replicas_per_worker: int = 1, *,
                  timeout_seconds: float = DEFAULT_TIMEOUT, check_collectives: bool = False,
-                 log_level: int | str | None = None):
+                 log_level: int | str | None = None, device: str = "cpu"):
         for name, value in (("num_workers", num_workers), ("replicas_per_worker", replicas_per_worker)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int; got {value!r}")
@@ -190,6 +194,9 @@ class WorkerPool:
             raise ValueError(f"log_level must be a logging level such as 'INFO' or logging.DEBUG, or None; "
                              f"got {log_level!r}")
         self.log_level: int | None = level
+        self.device = check_device_type(device)
+        # NCCL runs one process per GPU; with fewer GPUs the workers share them through gloo.
+        self.backend = "nccl" if device == "cuda" and num_workers <= torch.cuda.device_count() else "gloo"
         self._workers: list[_Worker] = []
         self._logroot: str | None = None
 
@@ -206,7 +213,7 @@ class WorkerPool:
     def __repr__(self) -> str:
         return (f"WorkerPool(num_workers={self.num_workers}, replicas_per_worker={self.replicas_per_worker}, "
                 f"timeout_seconds={self.timeout_seconds:g}, check_collectives={self.check_collectives}, "
-                f"alive={self.alive})")
+                f"device={self.device!r}, backend={self.backend!r}, alive={self.alive})")
 
     # ------------------------------------------------------------------ life cycle
 
@@ -249,7 +256,7 @@ class WorkerPool:
             process = start_processes(
                 name=f"crossreplica-worker-{rank}", entrypoint=serve,
                 args={0: (theirs, self.replicas_per_worker, self.timeout_seconds, self.check_collectives,
-                          list(sys.path), self.log_level)},
+                          list(sys.path), self.log_level, self.device, self.backend)},
                 envs={0: env}, logs_specs=DefaultLogsSpecs(log_dir=logdir, redirects=Std.ALL),
                 start_method="forkserver")
         except BaseException:

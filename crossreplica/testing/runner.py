@@ -38,21 +38,21 @@ from crossreplica.testing.pool import (
     resolve_layout,
 )
 from crossreplica.testing.remote import WorkerPoolError, primary_exception
-from crossreplica.testing.worker import Boxed, function_spec
+from crossreplica.testing.worker import Boxed, check_device_type, function_spec, replica_devices
 
 ENGINES: tuple[str, ...] = ("threads", "processes")
 
-_strategies: dict[tuple[int, float], cr.MirroredStrategy] = {}
+_strategies: dict[tuple[int, float, str], cr.MirroredStrategy] = {}
 _log = logging.getLogger(__name__)
 
 
 def _run_threads(fn: Callable[..., Any], num_replicas: int, per_replica_args: Sequence[Sequence[Any]],
-                 timeout_seconds: float) -> list[Any]:
+                 timeout_seconds: float, device: str) -> list[Any]:
     check_per_replica_args(num_replicas, per_replica_args)
-    key = (num_replicas, float(timeout_seconds))
+    key = (num_replicas, float(timeout_seconds), device)
     strategy = _strategies.get(key)
     if strategy is None:
-        strategy = _strategies[key] = cr.MirroredStrategy(num_replicas=num_replicas,
+        strategy = _strategies[key] = cr.MirroredStrategy(devices=replica_devices(device, 0, num_replicas),
                                                           timeout_seconds=timeout_seconds)
     # Always PerReplica (also for one replica), so a None argument is not trimmed by run.
     args = tuple(cr.PerReplica(list(a)) for a in per_replica_args)
@@ -74,7 +74,8 @@ def _num_replicas(num_replicas: int | None, per_replica_args: Sequence[Sequence[
 
 def run_replicas(fn: Callable[..., Any], *per_replica_args: Sequence[Any], num_replicas: int | None = None,
                  engine: str = "threads", replicas_per_worker: int | None = None,
-                 timeout_seconds: float = DEFAULT_TIMEOUT, check_collectives: bool = False) -> list[Any]:
+                 timeout_seconds: float = DEFAULT_TIMEOUT, check_collectives: bool = False,
+                 device: str = "cpu") -> list[Any]:
     """Per-replica results of ``fn`` on ``num_replicas`` replicas of ``engine``.
 
     Args:
@@ -87,22 +88,27 @@ def run_replicas(fn: Callable[..., Any], *per_replica_args: Sequence[Any], num_r
         timeout_seconds: the collective timeout, so a hang fails fast.
         check_collectives: processes only: compare every call across workers
             (the threads engine always does).
+        device: ``"cpu"`` (default, also where GPUs are visible, so results are the same
+            everywhere) or ``"cuda"``: replica ``i`` on ``cuda:i % gpus``; worker processes
+            then use NCCL if each has a GPU of its own, else gloo.
 
     Raises:
         the replica's exception (see the module docstring); WorkerPoolError when a
         worker could not start, died without reporting or ran past its bound.
     """
     n = _num_replicas(num_replicas, per_replica_args)
+    check_device_type(device)
     if engine == "threads":
-        return _run_threads(fn, n, per_replica_args, timeout_seconds)
+        return _run_threads(fn, n, per_replica_args, timeout_seconds, device)
     if engine == "processes":
-        return run_pooled(fn, n, per_replica_args, replicas_per_worker, timeout_seconds, check_collectives)
+        return run_pooled(fn, n, per_replica_args, replicas_per_worker, timeout_seconds, check_collectives, device)
     raise ValueError(f"engine must be one of {list(ENGINES)}; got {engine!r}")
 
 
 def launch(fn: Callable[..., Any], *per_replica_args: Sequence[Any], num_replicas: int | None = None,
            replicas_per_worker: int | None = None, mode: str = "replica",
-           timeout_seconds: float = DEFAULT_TIMEOUT, check_collectives: bool = False) -> Outcome:
+           timeout_seconds: float = DEFAULT_TIMEOUT, check_collectives: bool = False,
+           device: str = "cpu") -> Outcome:
     """Runs one job on fresh worker processes and reports every worker's outcome; never
     raises for a worker's failure. For tests of failure behaviour: nothing kills the
     other workers when one fails, so each reports what it saw.
@@ -111,18 +117,19 @@ def launch(fn: Callable[..., Any], *per_replica_args: Sequence[Any], num_replica
     all replicas: workers x replicas_per_worker)."""
     n = _num_replicas(num_replicas, per_replica_args)
     workers, rpw = resolve_layout(n, replicas_per_worker)
-    with WorkerPool(workers, rpw, timeout_seconds=timeout_seconds, check_collectives=check_collectives) as pool:
+    with WorkerPool(workers, rpw, timeout_seconds=timeout_seconds, check_collectives=check_collectives,
+                    device=device) as pool:
         return pool.run(fn, *per_replica_args, mode=mode)
 
 
 def run_workers(main: Callable[..., Any], num_workers: int, replicas_per_worker: int = 1, *,
                 args: Sequence[Any] = (), timeout_seconds: float = DEFAULT_TIMEOUT,
-                check_collectives: bool = False) -> list[Any]:
+                check_collectives: bool = False, device: str = "cpu") -> list[Any]:
     """Per-worker results of ``main(strategy, *args)``, run once per worker in cross-replica
     context on fresh worker processes (it may leave its worker in any state); ``args``
     (picklable) are the same on every worker."""
     with WorkerPool(num_workers, replicas_per_worker, timeout_seconds=timeout_seconds,
-                    check_collectives=check_collectives) as pool:
+                    check_collectives=check_collectives, device=device) as pool:
         out = pool.run(main, mode="main", main_args=args)
     if not out.ok:
         raise_failed(out, f"run_workers({main.__qualname__})", timeout_seconds)
@@ -131,13 +138,13 @@ def run_workers(main: Callable[..., Any], num_workers: int, replicas_per_worker:
 
 # ---------------------------------------------------------------------- persistent pools
 
-_pools: dict[tuple[int, int, float, bool], WorkerPool] = {}
+_pools: dict[tuple[int, int, float, bool, str], WorkerPool] = {}
 
 
 def pooled(num_workers: int, replicas_per_worker: int, timeout_seconds: float = DEFAULT_TIMEOUT,
-           check_collectives: bool = False) -> WorkerPool:
+           check_collectives: bool = False, device: str = "cpu") -> WorkerPool:
     """The running pool of this layout and options, started on first use or after a failure."""
-    key = (num_workers, replicas_per_worker, float(timeout_seconds), bool(check_collectives))
+    key = (num_workers, replicas_per_worker, float(timeout_seconds), bool(check_collectives), device)
     pool = _pools.get(key)
     if pool is not None and not pool.alive:
         _log.warning("a worker of %s exited between jobs; starting a new pool", repr(pool))
@@ -145,19 +152,19 @@ def pooled(num_workers: int, replicas_per_worker: int, timeout_seconds: float = 
         pool = None
     if pool is None:
         pool = WorkerPool(num_workers, replicas_per_worker, timeout_seconds=timeout_seconds,
-                          check_collectives=check_collectives).start()
+                          check_collectives=check_collectives, device=device).start()
         _pools[key] = pool
     return pool
 
 
 def run_pooled(fn: Callable[..., Any], num_replicas: int, per_replica_args: Sequence[Sequence[Any]],
                replicas_per_worker: int | None = None, timeout_seconds: float = DEFAULT_TIMEOUT,
-               check_collectives: bool = False) -> list[Any]:
+               check_collectives: bool = False, device: str = "cpu") -> list[Any]:
     """Per-replica results of ``fn`` on a persistent pool; a failed job's exception is raised here."""
     workers, rpw = resolve_layout(num_replicas, replicas_per_worker)
     check_per_replica_args(num_replicas, per_replica_args)
     function_spec(fn)  # a function workers cannot import fails here, before any pool starts
-    pool = pooled(workers, rpw, timeout_seconds, check_collectives)
+    pool = pooled(workers, rpw, timeout_seconds, check_collectives, device)
     try:
         out = pool.run(fn, *per_replica_args)
     except BaseException:

@@ -3,7 +3,8 @@
 :func:`serve` is the entry point torch's elastic launcher starts in every worker,
 with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, ...)
 already set. It builds ``cr.MultiWorkerMirroredStrategy(replicas_per_worker)``
-once, reports its local replica ids, then serves jobs from its pipe until the
+on the pool's device type and backend (the CPU with gloo; GPUs with NCCL, or
+with gloo where workers share a GPU) once, reports its local replica ids, then serves jobs from its pipe until the
 pool closes it:
 
 * ``{"mode": "replica", ...}``: ``fn(*args)`` in every local replica through
@@ -96,8 +97,30 @@ def load_function(spec: dict[str, Any]) -> Callable[..., Any]:
     return obj
 
 
+DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda")
+
+
+def check_device_type(device: Any) -> str:
+    """``device`` if it is one of :data:`DEVICE_TYPES`; a ValueError naming it otherwise."""
+    if device not in DEVICE_TYPES:
+        raise ValueError(f"device must be one of {list(DEVICE_TYPES)}; got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' needs a CUDA device, but CUDA is not available here")
+    return str(device)
+
+
+def replica_devices(device: str, first: int, count: int) -> list[str]:
+    """The devices of replicas ``first .. first + count - 1`` of a job on ``device``: the CPU, or
+    the visible GPUs round-robin (replica ``i`` on ``cuda:i % gpus``)."""
+    if device == "cpu":
+        return ["cpu"] * count
+    gpus = torch.cuda.device_count()
+    return [f"cuda:{(first + i) % gpus}" for i in range(count)]
+
+
 def serve(conn: Connection, replicas_per_worker: int, timeout_seconds: float, check_collectives: bool,
-          path: list[str], log_level: int | str | None = None) -> None:
+          path: list[str], log_level: int | str | None = None, device: str = "cpu",
+          backend: str = "gloo") -> None:
     """Entry point of a worker process (see the module docstring); never returns."""
     try:
         os.setsid()  # its own process group, so the pool's kill reaches whatever it starts
@@ -107,7 +130,7 @@ def serve(conn: Connection, replicas_per_worker: int, timeout_seconds: float, ch
     if log_level is not None:
         _log_to_stderr(log_level)
     try:
-        _serve(conn, replicas_per_worker, timeout_seconds, check_collectives, path)
+        _serve(conn, replicas_per_worker, timeout_seconds, check_collectives, path, device, backend)
     except BaseException:  # noqa: BLE001 - the pool sees the pipe close and reads the log
         traceback.print_exc()
         code = 1
@@ -130,14 +153,16 @@ def _log_to_stderr(level: int | str) -> None:
 
 
 def _serve(conn: Connection, replicas_per_worker: int, timeout_seconds: float, check_collectives: bool,
-           path: list[str]) -> None:
+           path: list[str], device: str, backend: str) -> None:
     sys.path.extend(p for p in path if p not in sys.path)
     os.environ.pop("CROSSREPLICA_CHECK_COLLECTIVES", None)  # the pool's argument decides
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     start = time.monotonic()
     try:
-        strategy = cr.MultiWorkerMirroredStrategy(replicas_per_worker, timeout_seconds=timeout_seconds,
+        devices = replica_devices(device, int(os.environ["LOCAL_RANK"]) * replicas_per_worker, replicas_per_worker)
+        strategy = cr.MultiWorkerMirroredStrategy(replicas_per_worker, backend, devices=devices,
+                                                  timeout_seconds=timeout_seconds,
                                                   check_collectives=check_collectives)
     except BaseException as e:  # noqa: BLE001 - reported to the pool
         conn.send_bytes(pickle.dumps({"failure": capture(e, rank, time.monotonic() - start)}))
