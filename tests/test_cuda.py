@@ -179,8 +179,18 @@ def test_collectives_follow_the_replica_stream():
 # ---------------------------------------------------------------------- training
 
 
+def _seeded(net: torch.nn.Module) -> torch.nn.Module:
+    """Initial weights from a private generator: the same in every replica, worker and run
+    (``torch.manual_seed`` inside a replica seeds only that replica's own stream)."""
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return net
+
+
 def _net() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
+    return _seeded(torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5)))
 
 
 def _data(rows: int = 32, steps: int = 3):
@@ -190,7 +200,6 @@ def _data(rows: int = 32, steps: int = 3):
 
 def _reference(make_opt, steps) -> list[torch.Tensor]:
     """Plain torch on one GPU, the global batch at once."""
-    torch.manual_seed(0)
     model = _net().cuda()
     opt = make_opt(model.parameters())
     for x, y in steps:
@@ -203,7 +212,6 @@ def _reference(make_opt, steps) -> list[torch.Tensor]:
 def _train(steps, overlap: bool, sharded: bool, weighted: bool):
     device = cr.get_replica_context().device
     rid, n = cr.replica_id(), cr.num_replicas()
-    torch.manual_seed(0)
     model = _net().to(device)
     opt = CrossShardOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), overlap=overlap,
                               shard_optimizer_state=sharded)
@@ -238,7 +246,6 @@ def test_cross_shard_optimizer_trains_as_one_gpu(layout, overlap, sharded, weigh
 def _amp_train(steps):
     device = cr.get_replica_context().device
     rid, n = cr.replica_id(), cr.num_replicas()
-    torch.manual_seed(0)
     model = _net().to(device)
     opt = CrossShardOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 16)
