@@ -9,11 +9,13 @@ crossreplica breaks without it; :data:`PRIVATE` holds those records.
 
 What counts as private: a name with a leading underscore anywhere on its path
 (``torch._C.…``, ``torch.utils._pytree``, ``Tensor._base``, ``Module._buffers``),
-the underscore-named ops included (``torch._foreach_add_``: they are not in
-torch's documented API, so they are routed here too). Where torch has a public
-API for the need (optimizer hooks through ``register_step_pre_hook``, the
-GradScaler protocol as torch documents it), the package uses it; what is left
-here has no public equivalent with the same behaviour.
+the underscore-named ops included (``torch._foreach_add_``: torch lists them as
+beta at most, so they are routed here too). Where torch has a public API for a
+need, the package uses it (optimizer hooks are registered with torch's own
+``register_step_pre_hook`` and friends; GradScaler is driven through the
+attributes its ``step`` reads); what is left here has no public equivalent with
+the same behaviour in the supported range, and a record's ``public`` says why
+the closest public API does not do.
 
 Module-level symbols are looked up once, when this module is imported;
 attributes of torch objects are read through the small functions below, and
@@ -47,6 +49,7 @@ class Private(NamedTuple):
     breaks: str  #: what in crossreplica breaks without it
     required: bool = True  #: False: crossreplica works without it (slower or less prompt)
     set_by: Any = None  #: for an attribute torch sets on instances: the function whose code sets it
+    public: str = ""  #: the closest public API, and why it does not do
 
 
 #: Every private symbol, in the order declared below.
@@ -76,12 +79,12 @@ def _names(code: CodeType) -> set[str]:
 
 
 def _need(symbol: str, what: str, since: str, breaks: str, *, required: bool = True,
-          set_by: Callable[..., Any] | None = None) -> Any:
+          set_by: Callable[..., Any] | None = None, public: str = "") -> Any:
     """Declares a private symbol and returns it (None when absent and not required).
 
     ``set_by``: for an attribute torch's code sets on instances (no class attribute to
     look up), the function that uses the name; the name must appear in its code."""
-    record = Private(symbol, what, since, breaks, required, set_by)
+    record = Private(symbol, what, since, breaks, required, set_by, public)
     PRIVATE.append(record)
     try:
         if set_by is not None:
@@ -153,10 +156,12 @@ set_fwd_grad_enabled: Any = _need(
 len_torch_function_stack: Callable[[], int] = _need(
     "torch._C._len_torch_function_stack", "the depth of the torch-function mode stack", "2.0", _STATE)
 get_current_function_mode_stack: Callable[[], list[Any]] = _need(
-    "torch.overrides._get_current_function_mode_stack", "the torch-function modes in force", "2.0", _STATE)
+    "torch.overrides._get_current_function_mode_stack", "the torch-function modes in force", "2.0", _STATE,
+    public="torch.get_default_device() answers cpu, not None, without a mode and adds a CUDA index")
 top_saved_tensors_default_hooks: Callable[[bool], Any] = _need(
     "torch._C._autograd._top_saved_tensors_default_hooks",
-    "the saved-tensor hooks in force (its ignore_is_tracing argument)", "2.8", _STATE)
+    "the saved-tensor hooks in force (its ignore_is_tracing argument)", "2.8", _STATE,
+    public="torch.autograd.graph.saved_tensors_hooks sets hooks; nothing public reads them")
 DeviceContext: Any = _need(
     "torch.utils._device.DeviceContext", "the mode ``with torch.device(...)`` pushes", "2.0", _STATE)
 
@@ -168,7 +173,8 @@ are_functorch_transforms_active: Callable[[], bool] = _need(
     "collectives under torch.func transforms would take the eager path (collectives/autodiff.py)")
 _execution_engine: Any = _need(
     "torch.autograd.Variable._execution_engine", "the autograd engine (queue_callback)", "1.0",
-    "overlap=True could not finish its reductions at the end of backward (optim/overlap.py)")
+    "overlap=True could not finish its reductions at the end of backward (optim/overlap.py)",
+    public="none: torch has no public callback for the end of a backward pass")
 
 
 def queue_autograd_callback(fn: Callable[[], None]) -> None:
@@ -183,9 +189,11 @@ _need("torch.Tensor._base", "the tensor a view was taken from (None if not a vie
 _need("torch.Tensor._version", "the in-place write counter of a tensor", "1.0",
       "the mirrored-buffer check would compare every run (strategies/buffers.py)")
 _need("torch.Tensor._values", "a sparse COO tensor's values, coalesced or not, not differentiable", "1.0",
-      "sparse gradients could not be reduced or unscaled (engines/sparse.py, optim/)")
+      "sparse gradients could not be reduced or unscaled (engines/sparse.py, optim/)",
+      public="Tensor.values() needs a coalesced tensor and is differentiable")
 _need("torch.Tensor._indices", "a sparse COO tensor's indices, coalesced or not", "1.0",
-      "sparse gradients could not be reduced (engines/sparse.py, optim/routing.py)")
+      "sparse gradients could not be reduced (engines/sparse.py, optim/routing.py)",
+      public="Tensor.indices() needs a coalesced tensor")
 _use_count: Any = _need(
     "torch._C._storage_Use_Count", "the reference count of a storage", "2.1",
     "the engines' buffer pool would not reuse buffers (slower, same results)", required=False)
@@ -239,10 +247,11 @@ foreach_minimum_: Callable[..., Any] = _need(
     "torch._foreach_minimum_", "in-place elementwise minimum over lists", "2.0", f"{_foreach} (engines/reduction.py)")
 amp_foreach_non_finite_check_and_unscale_: Callable[..., Any] = _need(
     "torch._amp_foreach_non_finite_check_and_unscale_", "GradScaler.unscale_'s kernel", "1.6",
-    "GradScaler could not unscale a CrossShardOptimizer's reduced gradients (optim/amp.py)")
+    "GradScaler could not unscale a CrossShardOptimizer's reduced gradients (optim/amp.py)",
+    public="GradScaler.unscale_ works per optimizer and records its own per-optimizer state")
 flatten_dense_tensors: Callable[..., torch.Tensor] = _need(
     "torch._utils._flatten_dense_tensors", "one flat tensor from a list (as DDP's buckets)", "1.0",
-    "tensor packing (packing.py)")
+    "tensor packing (packing.py)", public="torch.cat of reshaped tensors: a Python loop per pack")
 unflatten_dense_tensors: Callable[..., Any] = _need(
     "torch._utils._unflatten_dense_tensors", "views of a flat tensor shaped as a list", "1.0",
     "tensor packing (packing.py)")
@@ -251,7 +260,8 @@ unflatten_dense_tensors: Callable[..., Any] = _need(
 # ---------------------------------------------------------------------------- pytree (nest)
 
 _NEST = "nests with torch-registered containers (deque, user pytree nodes) (nest.py)"
-pytree: Any = _need("torch.utils._pytree", "torch's pytree registry (no public module in torch 2.13)", "2.0", _NEST)
+pytree: Any = _need("torch.utils._pytree", "torch's pytree registry", "2.0", _NEST,
+                    public="torch.utils.pytree does not exist in torch 2.13")
 for _name in ("SUPPORTED_NODES", "GetAttrKey", "SequenceKey", "MappingKey"):
     _need(f"torch.utils._pytree.{_name}", "the registry / its key entries", "2.2", _NEST)
 _need("torch.utils._pytree.NodeDef.flatten_with_keys_fn", "a node's keyed flatten", "2.2", _NEST)
@@ -264,9 +274,10 @@ BatchNormBase: Any = _need(
     "cr.SyncBatchNorm and its convert_sync_batchnorm (nn.py)")
 _MODULE = "sync_buffers could not walk modules' own buffers (strategies/buffers.py)"
 _need("torch.nn.Module._buffers", "a module's own buffers by name (values may be None)", "1.0",
-      _MODULE, set_by=torch.nn.Module.__init__)
+      _MODULE, set_by=torch.nn.Module.__init__,
+      public="named_buffers(recurse=False): slower, and the walk runs every run")
 _need("torch.nn.Module._modules", "a module's direct children by name (values may be None)", "1.0",
-      _MODULE, set_by=torch.nn.Module.__init__)
+      _MODULE, set_by=torch.nn.Module.__init__, public="children(): slower, and the walk runs every run")
 
 
 def own_buffers(m: torch.nn.Module) -> Iterable[torch.Tensor | None]:
@@ -287,11 +298,14 @@ _WRAPPER = ("CrossShardOptimizer's hooks (register_step_pre_hook and the like, g
             "(optim/optimizer.py)")
 for _kind in _HOOKS:
     _need(f"torch.optim.Optimizer._optimizer_{_kind}_hooks", "the hook table behind register_*_hook", "2.1",
-          _WRAPPER, set_by=torch.optim.Optimizer.__init__)
-_need("torch.optim.Optimizer._patch_step_function", "wraps a class's step to run the step hooks", "1.5", _WRAPPER)
+          _WRAPPER, set_by=torch.optim.Optimizer.__init__,
+          public="Optimizer.__init__ makes them, but would reset the wrapped optimizer's param_groups and state")
+_need("torch.optim.Optimizer._patch_step_function", "wraps a class's step to run the step hooks", "1.5", _WRAPPER,
+      public="Optimizer.__init__ calls it (see the hook tables)")
 _need("torch.amp.GradScaler.step._step_supports_amp_scaling",
       "the optimizer attribute GradScaler.step reads first (an optimizer that unscales itself)", "1.13",
-      "GradScaler would check a replica's unreduced gradients (optim/amp.py)", set_by=torch.amp.GradScaler.step)
+      "GradScaler would check a replica's unreduced gradients (optim/amp.py)", set_by=torch.amp.GradScaler.step,
+    public="none: it is how GradScaler.step learns an optimizer handles scaling itself")
 
 #: The attribute ``GradScaler.step`` reads (CrossShardOptimizer defines it).
 STEP_SUPPORTS_AMP_SCALING = "_step_supports_amp_scaling"
