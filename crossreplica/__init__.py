@@ -6,6 +6,7 @@ on N processes or on many hosts, with the same numbers.
 Layer: the public face (layer 7): re-exports every public name; see docs/architecture.md.
 """
 
+from . import torch_private  # noqa: F401 - first: a torch lacking a private symbol fails here, naming it
 from . import errors, logs, types
 from .checkpoint import load, save
 from .collectives import (all_gather, all_reduce, all_to_all, broadcast, collective_permute,

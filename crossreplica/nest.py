@@ -34,7 +34,8 @@ from typing import Any
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
-from torch.utils import _pytree as pytree
+
+from .torch_private import pytree
 
 __all__ = ["is_container", "is_namedtuple", "children", "rebuild", "flatten", "unflatten", "map_structure",
            "path_str", "node_mismatch", "children_like"]

@@ -26,6 +26,7 @@ import torch
 from torch import nn as tnn
 
 from .arguments import check_int
+from .torch_private import BatchNormBase
 from .collectives import all_reduce
 from .context import get_replica_context
 from .groups import Groups, contiguous_groups, group_of, resolve_groups
@@ -39,7 +40,7 @@ _BATCH_NORM_PARAMETERS = ("weight", "bias")
 _BATCH_NORM_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
 
-class SyncBatchNorm(tnn.modules.batchnorm._BatchNorm):
+class SyncBatchNorm(BatchNormBase):
     """Batch norm over the concatenated batch of a replica group, for inputs of
     shape ``(N, C, *)``.
 
@@ -155,7 +156,7 @@ class SyncBatchNorm(tnn.modules.batchnorm._BatchNorm):
         if not isinstance(module, tnn.Module):
             raise TypeError(f"module must be a torch.nn.Module; got {summarize(module)}")
         out = module
-        if isinstance(module, tnn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
+        if isinstance(module, BatchNormBase) and not isinstance(module, cls):
             out = cls(module.num_features, module.eps, module.momentum, module.affine,
                       module.track_running_stats, group_assignment=group_assignment,
                       num_shards_per_group=num_shards_per_group, bias=module.bias is not None,

@@ -24,8 +24,11 @@ from collections.abc import Sequence
 
 import torch
 
+from . import torch_private as tp
+
 # one C++ call per pack instead of a Python loop over its tensors (DDP uses them too)
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+_flatten_dense_tensors = tp.flatten_dense_tensors
+_unflatten_dense_tensors = tp.unflatten_dense_tensors
 
 __all__ = ["BYTE_ALIGN", "DEFAULT_BYTES_PER_PACK", "PackedBuffers", "byte_pack_size", "flatten_pack",
            "pack_bytes", "plan_packs", "unflatten_pack_", "unpack_bytes"]
@@ -85,7 +88,7 @@ def unflatten_pack_(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     if len(tensors) == 1:
         tensors[0].copy_(flat.view_as(tensors[0]))
         return
-    torch._foreach_copy_(tensors, _unflatten_dense_tensors(flat, tensors))
+    tp.foreach_copy_(tensors, _unflatten_dense_tensors(flat, tensors))
 
 
 class PackedBuffers:
@@ -123,7 +126,7 @@ class PackedBuffers:
             if buf is None:
                 out.append(tensors[pack[0]].reshape(-1))
             else:
-                torch._foreach_copy_(views, [tensors[i] for i in pack])
+                tp.foreach_copy_(views, [tensors[i] for i in pack])
                 out.append(buf)
         return out
 
@@ -135,14 +138,14 @@ class PackedBuffers:
                 if flat.data_ptr() != t.data_ptr():
                     t.copy_(flat.view_as(t))
             elif flat is buf:
-                torch._foreach_copy_([tensors[i] for i in pack], views)
+                tp.foreach_copy_([tensors[i] for i in pack], views)
             elif flat.numel() >= len(pack) * _VIEWS_OVER_COPY:
                 # Few large tensors: fresh views of the result cost less than copying it into buf.
                 members = [tensors[i] for i in pack]
-                torch._foreach_copy_(members, _unflatten_dense_tensors(flat, members))
+                tp.foreach_copy_(members, _unflatten_dense_tensors(flat, members))
             else:
                 buf.copy_(flat)
-                torch._foreach_copy_([tensors[i] for i in pack], views)
+                tp.foreach_copy_([tensors[i] for i in pack], views)
 
 
 # --------------------------------------------------------------------------- byte packs

@@ -49,6 +49,8 @@ from typing import Any
 
 import torch
 
+from . import torch_private as tp
+
 __all__ = ["ReplicaStream", "checkpoint_context_fn", "draw_base", "entered", "replica_generator",
            "replica_seed", "replica_stream", "suspended"]
 
@@ -59,7 +61,7 @@ BASE_BOUND = 2**63 - 1
 def _pick_key() -> tuple[str, Any, Any]:
     """The routing dispatch key (name, key) and the library that makes every op fall through it."""
     for name in ("DeferredInit", "CustomRNGKeyId"):
-        key = torch._C._parse_dispatch_key(name)
+        key = tp.parse_dispatch_key(name)
         if key is None:
             continue
         lib = torch.library.Library("_", "IMPL")  # noqa: TOR901 - a backend fallback, not an op
@@ -109,8 +111,8 @@ _installed: list[Any] = []  # the libraries holding the kernels (alive as long a
 KEY: Any = None  # the dispatch key, once installed
 _AFTER: Any = None
 _EXCLUDE: Any = None
-_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, k) for k in ("FAKE", "PROXY", "FUNCTIONAL"))
-_PYTHON = torch._C.DispatchKey.Python
+_MODES = tuple(getattr(tp.TorchDispatchModeKey, k) for k in ("FAKE", "PROXY", "FUNCTIONAL"))
+_PYTHON = tp.DispatchKey.Python
 _CPU = torch.device("cpu")
 _NOTHING = contextlib.nullcontext()
 
@@ -134,7 +136,7 @@ def entered(seed: int) -> Iterator[ReplicaStream]:
     stream, saved = ReplicaStream(seed), _local.stream
     _local.stream = stream
     try:
-        with torch._C._IncludeDispatchKeyGuard(KEY):
+        with tp.IncludeDispatchKeyGuard(KEY):
             yield stream
     finally:
         _local.stream = saved
@@ -209,7 +211,7 @@ def _recompute(snapshot: ReplicaStream) -> Iterator[None]:
     saved = _local.stream
     _local.stream = _copy(snapshot)  # a fresh copy for every recomputation
     try:
-        with torch._C._IncludeDispatchKeyGuard(KEY):
+        with tp.IncludeDispatchKeyGuard(KEY):
             yield
     finally:
         _local.stream = saved
@@ -219,7 +221,7 @@ def _recompute(snapshot: ReplicaStream) -> Iterator[None]:
 
 def _tracing(keyset: Any) -> bool:
     """True while torch.compile / export trace (fake, proxy or functional tensors)."""
-    return keyset.has(_PYTHON) and any(torch._C._get_dispatch_mode(m) is not None for m in _MODES)
+    return keyset.has(_PYTHON) and any(tp.get_dispatch_mode(m) is not None for m in _MODES)
 
 
 def _device_of(args: tuple, kwargs: dict) -> torch.device:
@@ -251,7 +253,7 @@ def _stream_generator(keyset: Any, args: tuple, kwargs: dict) -> torch.Generator
 
 def _inject(op: Any, index: int, name: str, kwarg_only: bool) -> Callable[..., Any]:
     """The kernel of an overload with a generator argument: fills it in when it is None."""
-    redispatch = op._handle.redispatch_boxed  # OpOverload.redispatch without its Python frame
+    redispatch = tp.redispatch_boxed(op)  # OpOverload.redispatch without its Python frame
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         if not kwarg_only and len(args) > index:
@@ -272,14 +274,14 @@ def _reroute(op: Any, twin: Any, name: str) -> Callable[..., Any]:
 
     The twin's composite passes the generator on to the ops it calls (``rand`` -> ``uniform_``),
     so they need not come through the key again (a Python call each)."""
-    redispatch, twin_redispatch = op._handle.redispatch_boxed, twin._handle.redispatch_boxed
+    redispatch, twin_redispatch = tp.redispatch_boxed(op), tp.redispatch_boxed(twin)
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         g = _stream_generator(keyset, args, kwargs)
         if g is None:
             return redispatch(keyset & _AFTER, *args, **kwargs)
         kwargs[name] = g
-        with torch._C._ExcludeDispatchKeyGuard(_EXCLUDE):
+        with tp.ExcludeDispatchKeyGuard(_EXCLUDE):
             return twin_redispatch(keyset & _AFTER, *args, **kwargs)
     return kernel
 
@@ -287,7 +289,7 @@ def _reroute(op: Any, twin: Any, name: str) -> Callable[..., Any]:
 def _swap(op: Any, draws: Callable[[tuple, dict], bool]) -> Callable[..., Any]:
     """The kernel of an op that draws from the default generator with no way to pass one: it runs
     with the device's default generator holding the replica's state (under a lock)."""
-    redispatch = op._handle.redispatch_boxed
+    redispatch = tp.redispatch_boxed(op)
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         g = _stream_generator(keyset, args, kwargs) if draws(args, kwargs) else None
@@ -298,7 +300,7 @@ def _swap(op: Any, draws: Callable[[tuple, dict], bool]) -> Callable[..., Any]:
             saved = default.get_state()
             default.set_state(g.get_state())  # type: ignore[union-attr]
             try:
-                with torch._C._ExcludeDispatchKeyGuard(_EXCLUDE):  # ops inside draw from the default
+                with tp.ExcludeDispatchKeyGuard(_EXCLUDE):  # ops inside draw from the default
                     return redispatch(keyset & _AFTER, *args, **kwargs)
             finally:
                 g.set_state(default.get_state())  # type: ignore[union-attr]
@@ -307,7 +309,7 @@ def _swap(op: Any, draws: Callable[[tuple, dict], bool]) -> Callable[..., Any]:
 
 
 def _argument(op: Any, name: str, default: Any) -> Callable[[tuple, dict], Any]:
-    index = [a.name for a in op._schema.arguments].index(name)
+    index = [a.name for a in tp.op_schema(op).arguments].index(name)
 
     def get(args: tuple, kwargs: dict) -> Any:
         if len(args) > index:
@@ -341,23 +343,23 @@ _SWAPPED: dict[str, Callable[[Any], Callable[[tuple, dict], bool]]] = {
 
 def _generator_argument(op: Any) -> tuple[int, str, bool] | None:
     """``(index, name, kwarg_only)`` of the op's generator argument, or None."""
-    for i, a in enumerate(op._schema.arguments):
+    for i, a in enumerate(tp.op_schema(op).arguments):
         if "Generator" in str(a.type):
             return i, a.name, a.kwarg_only
     return None
 
 
 def _signature(op: Any, skip: int | None = None) -> list[tuple[str, str, bool]]:
-    return [(a.name, str(a.type), a.kwarg_only) for i, a in enumerate(op._schema.arguments) if i != skip]
+    return [(a.name, str(a.type), a.kwarg_only) for i, a in enumerate(tp.op_schema(op).arguments) if i != skip]
 
 
 def _random_packets() -> list[str]:
     """The aten operators with an overload that takes a generator (found from the schemas: cheap)."""
     found = set()
-    for full in torch._C._dispatch_get_all_op_names():
+    for full in tp.dispatch_get_all_op_names():
         if full.startswith("aten::"):
             base, _, overload = full[6:].partition(".")
-            schema = torch._C._get_schema(f"aten::{base}", overload)
+            schema = tp.get_schema(f"aten::{base}", overload)
             if any("Generator" in str(a.type) for a in schema.arguments):
                 found.add(base)
     return sorted(found)
@@ -401,6 +403,6 @@ def _install() -> None:
         lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
         for op_name, kernel in _kernels():
             lib.impl(op_name, kernel, name, with_keyset=True)
-        KEY, _AFTER = key, torch._C._dispatch_keyset_full_after(key)
-        _EXCLUDE = torch._C.DispatchKeySet(key)
+        KEY, _AFTER = key, tp.dispatch_keyset_full_after(key)
+        _EXCLUDE = tp.DispatchKeySet(key)
         _installed.extend([fallback, lib])

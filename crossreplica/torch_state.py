@@ -32,16 +32,17 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils._device import DeviceContext
+
+from . import torch_private as tp
+from .torch_private import DeviceContext
 
 __all__ = ["TorchState", "applied", "capture"]
 
-_C = torch._C
 _is_grad_enabled = torch.is_grad_enabled
 _is_inference = torch.is_inference_mode_enabled
-_is_fwd_grad = _C._is_fwd_grad_enabled
-_len_modes = _C._len_torch_function_stack
-_top_hooks = _C._autograd._top_saved_tensors_default_hooks
+_is_fwd_grad = tp.is_fwd_grad_enabled
+_len_modes = tp.len_torch_function_stack
+_top_hooks = tp.top_saved_tensors_default_hooks
 _autocast_enabled = torch.is_autocast_enabled
 _autocast_dtype = torch.get_autocast_dtype
 _autocast_cache = torch.is_autocast_cache_enabled
@@ -82,7 +83,7 @@ def capture() -> TorchState:
 
 
 def _default_device() -> torch.device | None:
-    for mode in reversed(torch.overrides._get_current_function_mode_stack()):
+    for mode in reversed(tp.get_current_function_mode_stack()):
         if isinstance(mode, DeviceContext):
             return mode.device
     return None
@@ -110,7 +111,7 @@ def _applied(state: TorchState) -> Iterator[None]:
             stack.enter_context(torch.inference_mode(False))
         stack.enter_context(torch.set_grad_enabled(state.grad))
         if state.fwd_grad != _is_fwd_grad():
-            stack.enter_context(torch.autograd.forward_ad._set_fwd_grad_enabled(state.fwd_grad))
+            stack.enter_context(tp.set_fwd_grad_enabled(state.fwd_grad))
         enabled = dict(state.autocast)
         for t in _AUTOCAST_TYPES:
             if t in enabled:

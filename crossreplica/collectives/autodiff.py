@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from ..torch_private import are_functorch_transforms_active, view_base
 from ..context import ReplicaContext, get_replica_context
 from ..engines.base import Call, Kind
 from ..engines.wire import execute_on_wire
@@ -50,7 +51,7 @@ __all__ = ["Collective", "Run", "dual", "execute", "execute_one", "gather_sizes"
 #: ``run(kind, groups, params, tensors) -> outputs``: a differentiable collective call.
 Run = Callable[[Kind, Groups, tuple, list[torch.Tensor]], list[torch.Tensor]]
 
-_transforms_active = torch._C._are_functorch_transforms_active
+_transforms_active = are_functorch_transforms_active
 
 
 def raw(rctx: ReplicaContext, kind: Kind, groups: Groups, params: tuple,
@@ -116,7 +117,7 @@ class Collective(torch.autograd.Function):
     def forward(rctx, kind, groups, params, *xs):  # type: ignore[override]
         # An engine may return views of one buffer (small all-reduces, packed transfers);
         # autograd forbids modifying in place a view made inside a Function, so those are copied.
-        return tuple([o.clone() if o._base is not None else o for o in raw(rctx, kind, groups, params, list(xs))])
+        return tuple([o.clone() if view_base(o) is not None else o for o in raw(rctx, kind, groups, params, list(xs))])
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # type: ignore[override]

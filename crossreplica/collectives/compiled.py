@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .. import torch_private as tp
 from ..context import require_replica_context
 from ..engines.base import Kind
 from ..groups import Groups
@@ -127,7 +128,7 @@ def _fresh(xs: list[torch.Tensor], outs: list[torch.Tensor]) -> list[torch.Tenso
     fresh = []
     for out in outs:
         # (a view made in inference mode has no _base; compiled code expects aligned outputs)
-        if out._base is not None or out.storage_offset() or out.untyped_storage().data_ptr() in taken:
+        if tp.view_base(out) is not None or out.storage_offset() or out.untyped_storage().data_ptr() in taken:
             out = out.clone()
         taken.add(out.untyped_storage().data_ptr())
         fresh.append(out)

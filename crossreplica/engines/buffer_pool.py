@@ -13,13 +13,11 @@ import math
 
 import torch
 
+from .. import torch_private as tp
+
 __all__ = ["BufferPool"]
 
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
-
-
-def _storage_refs(t: torch.Tensor) -> int:
-    return _use_count(t.untyped_storage()._cdata)  # type: ignore[misc]
+_storage_refs = tp.storage_refs
 
 
 class BufferPool:
@@ -32,7 +30,7 @@ class BufferPool:
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         numel = math.prod(shape)
-        if _use_count is None or device.type != "cpu":
+        if not tp.has_storage_refs() or device.type != "cpu":
             return torch.empty(shape, dtype=dtype, device=device)
         for k, (n, dt, dev, base, idle) in enumerate(self._buffers):
             if n == numel and dt == dtype and dev == device and _storage_refs(base) == idle:

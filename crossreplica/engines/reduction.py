@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .. import torch_private as tp
 from ..reduce_op import ReduceOp
 
 __all__ = ["reduce_into", "reduced"]
@@ -85,5 +86,5 @@ _FIRST_BOOL: dict[ReduceOp, Callable[..., torch.Tensor]] = {
 
 # The in-place foreach form of each reduction's step (see :func:`_fold`).
 _FOLD: dict[ReduceOp, Callable[..., None]] = {
-    ReduceOp.SUM: torch._foreach_add_, ReduceOp.MEAN: torch._foreach_add_, ReduceOp.MAX: torch._foreach_maximum_,
-    ReduceOp.MIN: torch._foreach_minimum_, ReduceOp.PROD: torch._foreach_mul_}
+    ReduceOp.SUM: tp.foreach_add_, ReduceOp.MEAN: tp.foreach_add_, ReduceOp.MAX: tp.foreach_maximum_,
+    ReduceOp.MIN: tp.foreach_minimum_, ReduceOp.PROD: tp.foreach_mul_}

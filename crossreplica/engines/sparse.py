@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .. import torch_private as tp
 from ..errors import CollectiveMismatchError
 from ..reduce_op import ReduceOp, from_wire, to_wire
 from .reduction import reduce_into
@@ -33,7 +34,7 @@ def coo_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The coalesced ``t`` as ``(indices [nnz, sparse_dim], values [nnz, *dense_shape])``,
     both contiguous, so they travel as dense tensors gathered along dim 0."""
     c = t.coalesce()
-    return c._indices().t().contiguous(), c._values().contiguous()
+    return tp.sparse_indices(c).t().contiguous(), tp.sparse_values(c).contiguous()
 
 
 def _linear(indices: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from .. import torch_private as tp
 from ..context import get_replica_context
 from ..errors import summarize
 from ..groups import group_of
@@ -125,8 +126,8 @@ def _unscale(param_groups: list[dict[str, Any]], grad_scale: torch.Tensor) -> No
                 if g.is_sparse:
                     if g.dtype is torch.float16:
                         p.grad = g = g.coalesce()
-                    g = g._values()
+                    g = tp.sparse_values(g)
                 per_device[(g.device, g.dtype)].append(g)
         for (device, _), grads in per_device.items():
             ignored = torch.zeros((), dtype=torch.float32, device=device)  # GradScaler already checked
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, ignored, inv_scale.to(device))
+            tp.amp_foreach_non_finite_check_and_unscale_(grads, ignored, inv_scale.to(device))

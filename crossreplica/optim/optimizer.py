@@ -7,12 +7,12 @@ Layer: strategies (layer 5); see docs/architecture.md.
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 from typing import Any
 from collections.abc import Callable
 
 import torch
 
+from .. import torch_private as tp
 from ..arguments import check_int
 from ..context import get_strategy, has_strategy, require_replica_context
 from ..cross_device_ops import CommunicationOptions
@@ -154,14 +154,14 @@ class CrossShardOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict (the wrapper's state-dict hooks run around it).
         Sharded, a collective that gathers the full state (the unsharded format)."""
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+        for pre_hook in tp.optimizer_hooks(self, "state_dict_pre"):
             pre_hook(self)
         if self._sharded is not None:
             rctx = require_replica_context("CrossShardOptimizer.state_dict (shard_optimizer_state=True)")
             state_dict = self._sharded.state_dict(rctx, self._groups(rctx.num_replicas_in_sync))
         else:
             state_dict = self._optimizer.state_dict()
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
+        for post_hook in tp.optimizer_hooks(self, "state_dict_post"):
             result = post_hook(self, state_dict)
             if result is not None:
                 state_dict = result
@@ -170,7 +170,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads into the wrapped optimizer (the wrapper's load hooks run around it)."""
         state_dict = state_dict.copy()  # as torch does: a pre hook may edit its copy
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+        for pre_hook in tp.optimizer_hooks(self, "load_state_dict_pre"):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
@@ -178,7 +178,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
             self._sharded.load_state_dict(state_dict)
         else:
             self._optimizer.load_state_dict(state_dict)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+        for post_hook in tp.optimizer_hooks(self, "load_state_dict_post"):
             post_hook(self)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -220,15 +220,9 @@ class CrossShardOptimizer(torch.optim.Optimizer):
                            if p.requires_grad}.values())
             self._overlapped = OverlappedReduction(params, self._bytes_per_pack, self._reduction, self._groups,
                                                    self._communication_options)
-        # The hook tables torch.optim.Optimizer.__init__ would create; the
-        # parameters themselves stay with the wrapped optimizer.
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self._patch_step_function()
+        # What torch.optim.Optimizer.__init__ sets up for hooks; the parameters
+        # themselves stay with the wrapped optimizer.
+        tp.init_optimizer_hooks(self)
 
     def __repr__(self) -> str:
         return (f"CrossShardOptimizer({self._optimizer!r}, reduction={self._reduction}, "

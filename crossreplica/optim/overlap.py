@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from .. import torch_private as tp
 from ..context import get_replica_context
 from ..engines.base import INPLACE, Call, Kind, Pending
 from ..engines.wire import start_on_wire
@@ -161,7 +162,7 @@ class OverlappedReduction:
             if not on_engine(rctx, groups, self._options):
                 return  # through the strategy's cross_device_ops, at step() (routing.py)
             self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            tp.queue_autograd_callback(self.finish)
         bucket = self._buckets[index]
         bucket.ready += 1
         if p.grad is None or p.grad.is_sparse:

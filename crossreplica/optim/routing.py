@@ -19,6 +19,7 @@ from typing import Any, cast
 
 import torch
 
+from ..torch_private import foreach_copy_, sparse_indices, sparse_values
 from ..collectives import all_reduce
 from ..context import ReplicaContext
 from ..engines.base import INPLACE, Call, Kind
@@ -47,7 +48,7 @@ def all_reduce_buffers(rctx: ReplicaContext, groups: Groups, op: ReduceOp, buffe
     ext = rctx.strategy.extended
     outs = ext.cross_device_ops.replica_all_reduce(op, buffers, ext.resolve_options(options))
     with torch.no_grad():
-        torch._foreach_copy_(buffers, outs)
+        foreach_copy_(buffers, outs)
     return buffers
 
 
@@ -60,8 +61,8 @@ def reduce_sparse_grads(groups: Groups, params: list[torch.Tensor], w: float | N
         g = cast(torch.Tensor, p.grad).detach()  # _collect chose params whose grad is sparse
         if w is not None:
             g = g.coalesce()
-            values = g._values() * w if w > 0 else torch.zeros_like(g._values())  # 0 * nan is nan
-            g = torch.sparse_coo_tensor(g._indices(), values, g.shape, is_coalesced=True, check_invariants=False)
+            values = sparse_values(g) * w if w > 0 else torch.zeros_like(sparse_values(g))  # 0 * nan is nan
+            g = torch.sparse_coo_tensor(sparse_indices(g), values, g.shape, is_coalesced=True, check_invariants=False)
         grads.append(g)
     for p, g in zip(params, all_reduce(grads, ReduceOp.SUM, groups)):
         p.grad = g / divisor if divisor is not None else g

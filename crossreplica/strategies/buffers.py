@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .. import collectives, nest
+from .. import torch_private as tp
 from ..errors import summarize
 from ..logs import UnsyncedBuffersWarning
 from ..nn import SyncBatchNorm
@@ -136,7 +137,7 @@ class MirroredBuffers:
             if mods is None:
                 continue
             bufs = [list(m.buffers()) for m in mods]
-            versions = tuple(b._version for bs in bufs for b in bs)
+            versions = tuple(tp.tensor_version(b) for bs in bufs for b in bs)
             if versions == g.versions:
                 continue  # nothing written since the last comparison
             g.versions = versions
@@ -182,7 +183,7 @@ class RunSync:
             for sub in subs:
                 if _agree_already(sub):
                     continue
-                for b in sub._buffers.values():
+                for b in tp.own_buffers(sub):
                     if b is None or id(b) in seen:
                         continue  # unset, or a module mirrored inside another one
                     seen.add(id(b))
@@ -221,7 +222,7 @@ class RunSync:
             sources = per_copy[0][0]
             for to_broadcast, _ in per_copy[1:]:
                 if to_broadcast:
-                    torch._foreach_copy_(to_broadcast, sources)  # one call (any devices)
+                    tp.foreach_copy_(to_broadcast, sources)  # one call (any devices)
             if not per_copy[0][1]:
                 return
             packs: dict[tuple[torch.device, torch.dtype], list[int]] = {}
@@ -240,7 +241,7 @@ def _submodules(module: torch.nn.Module) -> list[torch.nn.Module]:
     out = [module]
     seen = {id(module)}
     for m in out:  # grows while it is walked
-        for c in m._modules.values():
+        for c in tp.child_modules(m):
             if c is not None and id(c) not in seen:
                 seen.add(id(c))
                 out.append(c)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ... import torch_private as tp
 from ...errors import CollectiveTimeoutError, CrossReplicaError, ReplicaAborted
 from ...logs import slow_seconds
 from ..base import Call
@@ -64,10 +65,7 @@ def is_peer_loss(e: BaseException) -> bool:
 
 
 def _default_store() -> Any:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - private API: without it, no prompt abort
-        return None
+    return tp.default_store()
 
 
 class Watchdog:
