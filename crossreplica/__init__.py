@@ -7,7 +7,7 @@ Layer: the public face (layer 7): re-exports every public name; see docs/archite
 """
 
 from . import torch_private  # noqa: F401 - first: a torch lacking a private symbol fails here, naming it
-from . import errors, logs, types
+from . import errors, logs, settings, types
 from .checkpoint import load, save
 from .collectives import (all_gather, all_reduce, all_to_all, broadcast, collective_permute,
                           cross_replica_average, cross_replica_mean, cross_replica_sum, num_replicas,
@@ -34,7 +34,7 @@ from .version import __version__
 
 __all__ = [
     "__version__",
-    "errors", "logs", "types",
+    "errors", "logs", "settings", "types",
     "save", "load",
     "ReduceOp",
     "DistributedValues", "PerReplica", "Mirrored", "regroup", "select_replica", "select_replica_mirrored",

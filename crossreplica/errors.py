@@ -5,6 +5,9 @@ Every error a user can trigger derives from :class:`CrossReplicaError`, so
 from the builtin its meaning matches (RuntimeError, TimeoutError) so generic
 handlers keep working.
 
+The warning categories live here too (``cr.logs`` shows them, and documents
+them): misuse that still works is a ``warnings.warn`` with one of them.
+
 Layer: bottom (layer 0); see docs/architecture.md.
 """
 
@@ -21,6 +24,10 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "ReplicaError",
+    "CrossReplicaWarning",
+    "SharedModuleWarning",
+    "UnsyncedBuffersWarning",
+    "ConfigurationWarning",
 ]
 
 
@@ -131,3 +138,23 @@ def replica_error(replica_id: int, original: BaseException) -> ReplicaError:
 
 class ReplicaAborted(CrossReplicaError):
     """Raised in the replicas released because another replica failed (internal)."""
+
+
+class CrossReplicaWarning(UserWarning):
+    """Base of the warnings crossreplica issues for code that runs but is probably wrong."""
+
+
+class SharedModuleWarning(CrossReplicaWarning):
+    """Several replicas of one process were handed the same module with trainable
+    parameters (they would race on its gradients); ``strategy.mirror`` it instead."""
+
+
+class UnsyncedBuffersWarning(CrossReplicaWarning, RuntimeWarning):
+    """The mirrored copies of a module mirrored with ``sync_buffers=None`` hold different
+    buffers after a run (``strategies/buffers.py``)."""
+
+
+class ConfigurationWarning(CrossReplicaWarning):
+    """A setting that is not what it looks like: an unknown ``CROSSREPLICA_*`` variable
+    (a typo), an argument that an existing set-up overrides, or a set-up that works but
+    is unsafe."""

@@ -11,8 +11,10 @@ and the slow-collective warning costs a waiter nothing until it has waited
 :func:`slow_seconds`.
 
 Misuse that still works is reported with ``warnings.warn`` and one of the
-categories below (all subclasses of :class:`CrossReplicaWarning`, a
-``UserWarning``), so ``warnings.filterwarnings`` can silence or escalate them.
+categories shown here (all subclasses of :class:`CrossReplicaWarning`, a
+``UserWarning``; defined in ``errors.py`` beside the exceptions, so that
+``settings.py`` can warn too), so ``warnings.filterwarnings`` can silence or
+escalate them.
 
 Layer: bottom (layer 0); see docs/architecture.md.
 """
@@ -20,10 +22,10 @@ Layer: bottom (layer 0); see docs/architecture.md.
 from __future__ import annotations
 
 import logging
-import os
 
-from .errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAborted
-from .timeouts import canonical_timeout
+from . import settings
+from .errors import (CollectiveMismatchError, CollectiveTimeoutError, ConfigurationWarning, CrossReplicaWarning,
+                     ReplicaAborted, SharedModuleWarning, UnsyncedBuffersWarning)
 
 __all__ = ["LOGGER_NAME", "SLOW_SECONDS_ENV", "ConfigurationWarning", "CrossReplicaWarning",
            "SharedModuleWarning", "UnsyncedBuffersWarning", "replica_failed", "report", "slow_seconds"]
@@ -31,7 +33,7 @@ __all__ = ["LOGGER_NAME", "SLOW_SECONDS_ENV", "ConfigurationWarning", "CrossRepl
 #: The root of the library's loggers.
 LOGGER_NAME = "crossreplica"
 #: Seconds a collective may wait before a WARNING names the replicas it waits for.
-SLOW_SECONDS_ENV = "CROSSREPLICA_SLOW_SECONDS"
+SLOW_SECONDS_ENV = settings.SLOW_SECONDS
 #: Without SLOW_SECONDS_ENV: a tenth of the collective timeout, at most this many seconds.
 MAX_DEFAULT_SLOW_SECONDS = 10.0
 
@@ -42,21 +44,14 @@ if not any(isinstance(h, logging.NullHandler) for h in _root.handlers):
 
 def slow_seconds(timeout: float) -> float:
     """The slow-collective threshold for a collective timeout of ``timeout`` seconds:
-    env ``CROSSREPLICA_SLOW_SECONDS`` (a positive number of seconds), else
+    env ``CROSSREPLICA_SLOW_SECONDS`` (a positive number of seconds, as a timeout), else
     ``min(timeout / 10, 10)``. A threshold at or above the timeout turns the warning off.
 
     Raises:
         ValueError: the variable is set to something other than a positive number.
     """
-    raw = os.environ.get(SLOW_SECONDS_ENV, "").strip()
-    if not raw:
-        return min(timeout / 10.0, MAX_DEFAULT_SLOW_SECONDS)
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {SLOW_SECONDS_ENV} must be a positive number of seconds; "
-                         f"got {raw!r}") from None
-    return canonical_timeout(value, SLOW_SECONDS_ENV)
+    configured = settings.slow_seconds()
+    return min(timeout / 10.0, MAX_DEFAULT_SLOW_SECONDS) if configured is None else configured
 
 
 def report(logger: logging.Logger, level: int, exc: BaseException, what: str = "") -> None:
@@ -83,23 +78,3 @@ def replica_failed(logger: logging.Logger, replica_id: int, exc: BaseException, 
     if logger.isEnabledFor(logging.WARNING):  # str(exc), as in report
         logger.warning("%sreplica %s raised %s: %s; the other replicas are released", where, replica_id,
                        type(exc).__name__, str(exc))
-
-
-class CrossReplicaWarning(UserWarning):
-    """Base of the warnings crossreplica issues for code that runs but is probably wrong."""
-
-
-class SharedModuleWarning(CrossReplicaWarning):
-    """Several replicas of one process were handed the same module with trainable
-    parameters (they would race on its gradients); ``strategy.mirror`` it instead."""
-
-
-class UnsyncedBuffersWarning(CrossReplicaWarning, RuntimeWarning):
-    """The mirrored copies of a module mirrored with ``sync_buffers=None`` hold different
-    buffers after a run (``strategies/buffers.py``)."""
-
-
-class ConfigurationWarning(CrossReplicaWarning):
-    """A setting that is not what it looks like: an unrecognised value treated as the
-    default, an argument that an existing set-up overrides, or a set-up that works but
-    is unsafe."""

@@ -321,17 +321,14 @@ def test_a_module_shared_by_replicas_warns():
         cr.OneDeviceStrategy().run(_forward, args=(model, torch.ones(3)))  # one replica
 
 
-def test_an_unrecognised_check_collectives_value_warns(monkeypatch):
+def test_an_unrecognised_check_collectives_value_is_an_error(monkeypatch):
     _no_launcher(monkeypatch)
     monkeypatch.setenv("CROSSREPLICA_CHECK_COLLECTIVES", "enabled")
-    with pytest.warns(ConfigurationWarning, match=r"CROSSREPLICA_CHECK_COLLECTIVES='enabled' is not one of "
-                                                  r"\['1', 'true', 'yes', 'on', '0', 'false', 'no', 'off'\]; "
-                                                  r"treated as off"):
-        strategy = cr.MultiWorkerMirroredStrategy()
-    try:
-        assert not strategy.extended.engine.check_collectives
-    finally:
-        strategy.close()
+    with pytest.raises(ValueError, match=r"environment variable CROSSREPLICA_CHECK_COLLECTIVES must be one of "
+                                         r"\['1', 'true', 'yes', 'on', '0', 'false', 'no', 'off'\] \(any case\); "
+                                         r"got 'enabled'"):
+        cr.MultiWorkerMirroredStrategy()
+    assert not dist.is_initialized()  # refused before any set-up
     monkeypatch.setenv("CROSSREPLICA_CHECK_COLLECTIVES", "Yes")
     with warnings.catch_warnings():
         warnings.simplefilter("error", CrossReplicaWarning)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import abc
 import enum
-import os
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -40,11 +39,8 @@ import torch
 from ..errors import CollectiveMismatchError
 from ..groups import Groups
 
-__all__ = ["BARRIER", "DEFAULT_TIMEOUT", "FINISHED", "INPLACE", "MERGE_CALL", "Call", "Engine", "Kind", "Pending",
+__all__ = ["BARRIER", "FINISHED", "INPLACE", "MERGE_CALL", "Call", "Engine", "Kind", "Pending",
            "check_agreement", "check_inplace", "is_inplace", "scatter_slice"]
-
-#: Seconds a collective waits for the other replicas unless the strategy says otherwise.
-DEFAULT_TIMEOUT = float(os.environ.get("CROSSREPLICA_TIMEOUT", "300"))
 
 INPLACE = "inplace"
 

@@ -9,8 +9,8 @@ run in parallel because torch kernels release the GIL).
 
 On the small path every replica thread's Python work is serialised by the GIL,
 so the leader keeps its torch calls per replica few: a reduction's steps are one
-foreach call (``reduction.py``), and from ``SHARED_ROWS_MEMBERS`` members on
-the outputs are the rows of one buffer (one fill, no allocation per replica;
+foreach call (``reduction.py``), and from ``settings.shared_rows_members()``
+members on the outputs are the rows of one buffer (one fill, no allocation per replica;
 each replica's row is its own). Work moved to the replicas themselves costs
 more than it saves: each torch call there hands the GIL to another thread.
 
@@ -37,12 +37,12 @@ from typing import Any
 
 import torch
 
+from .. import settings
 from ..groups import Groups
 from ..logs import replica_failed
 from ..reduce_op import ReduceOp
 from .base import (
     BARRIER,
-    DEFAULT_TIMEOUT,
     Call,
     Engine,
     Kind,
@@ -62,11 +62,10 @@ __all__ = ["ThreadsEngine"]
 
 _log = logging.getLogger(__name__)
 
-# Payloads at least this large (bytes per replica) are processed by every
-# replica in parallel; smaller ones by the leader alone. 2 MiB is where the
-# parallel path starts to win on 2 cores (benchmarks/allreduce.py); the test
-# suite lowers it so that small tensors exercise both paths.
-PARALLEL_BYTES = int(os.environ.get("CROSSREPLICA_PARALLEL_BYTES", str(2 * 1024 * 1024)))
+# Payloads at least settings.parallel_bytes() large (bytes per replica; 2 MiB,
+# where the parallel path starts to win on 2 cores, benchmarks/allreduce.py) are
+# processed by every replica in parallel; smaller ones by the leader alone. The
+# test suite lowers it so that small tensors exercise both paths.
 # Bytes per block of the parallel all-reduce: each block's running result is
 # re-read from cache by the next operand. Measured on the 2-core VM, blocks
 # down to 256 KiB bought nothing over 4 MiB ones and cost more kernel launches.
@@ -78,17 +77,16 @@ _CORES = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
 # A small all-reduce's outputs are the rows of one buffer when it holds at most
 # this many bytes (every member's copy): a replica that keeps its output keeps
 # the whole buffer alive, so large results get an allocation each. With fewer
-# than SHARED_ROWS_MEMBERS members a copy each costs fewer torch calls (the
-# test suite lowers it so that both forms run).
+# than settings.shared_rows_members() members (8) a copy each costs fewer torch
+# calls (the test suite lowers it so that both forms run).
 SHARED_ROWS_BYTES = 1024 * 1024
-SHARED_ROWS_MEMBERS = int(os.environ.get("CROSSREPLICA_SHARED_ROWS_MEMBERS", "8"))
 
 
-def _shares_rows(xs: list[torch.Tensor]) -> bool:
+def _shares_rows(xs: list[torch.Tensor], min_members: int) -> bool:
     """Whether the outputs of reducing ``xs`` go into rows of one buffer: enough members,
     small enough, and contiguous (as the result of reducing ``xs`` itself would be)."""
     x = xs[0]
-    return (len(xs) >= SHARED_ROWS_MEMBERS and x.numel() * x.element_size() * len(xs) <= SHARED_ROWS_BYTES
+    return (len(xs) >= min_members and x.numel() * x.element_size() * len(xs) <= SHARED_ROWS_BYTES
             and x.is_contiguous() and xs[1].is_contiguous())
 
 
@@ -119,8 +117,9 @@ class ThreadsEngine(Engine):
     # benchmarks/training_step.py: 1.2 -> 0.7 ms per step in the gradient hooks).
     own_bucket_bytes = 1 << 20
 
-    def __init__(self, devices: Sequence[torch.device], timeout: float = DEFAULT_TIMEOUT,
+    def __init__(self, devices: Sequence[torch.device], timeout: float | None = None,
                  rendezvous: Rendezvous | None = None, replica_ids: Sequence[int] | None = None):
+        """``timeout`` defaults to ``settings.timeout()`` (CROSSREPLICA_TIMEOUT)."""
         self.devices = tuple(devices)
         self.num_replicas = len(self.devices)
         self.local_replica_ids = tuple(replica_ids) if replica_ids is not None else tuple(range(self.num_replicas))
@@ -129,10 +128,14 @@ class ThreadsEngine(Engine):
         self._pool = BufferPool(max_buffers=4 * self.num_replicas)
         # Every replica on one device (the CPU case): no per-tensor device checks.
         self._one_device = len(set(self.devices)) == 1
+        # The tuning settings are read once here: the hot path reads attributes.
+        self._parallel_bytes = settings.parallel_bytes()
+        self._shared_rows_members = settings.shared_rows_members()
         # CUDA kernels run later, on each thread's stream: rounds are fenced (streams.py),
         # and the leader computes every output (spreading the work over threads buys nothing).
         self._cuda = any(d.type == "cuda" for d in self.devices)
-        self.rendezvous = rendezvous or Rendezvous(self.num_replicas, timeout, self.local_replica_ids)
+        self.rendezvous = rendezvous or Rendezvous(
+            self.num_replicas, settings.timeout() if timeout is None else timeout, self.local_replica_ids)
         self._fenced = FencedRounds(self.rendezvous) if self._cuda else None
         # In-place all-reduces started during backward (the optimizer's buckets), on one CPU.
         self._async = (AsyncRounds(self.rendezvous, self.local_replica_ids)
@@ -140,7 +143,8 @@ class ThreadsEngine(Engine):
         if _log.isEnabledFor(logging.DEBUG):
             _log.debug("threads engine: replicas %s on %s, timeout %gs, slow-collective warning after %gs, "
                        "parallel path from %d bytes on %d cores", list(self.local_replica_ids),
-                       [str(d) for d in self.devices], self.timeout, self.rendezvous.slow, PARALLEL_BYTES, _CORES)
+                       [str(d) for d in self.devices], self.timeout, self.rendezvous.slow, self._parallel_bytes,
+                       _CORES)
 
     @property
     def timeout(self) -> float:
@@ -202,7 +206,7 @@ class ThreadsEngine(Engine):
         if calls.count(call) != len(calls) or call.kind is Kind.ALL_TO_ALL:
             check_agreement(calls, self.local_replica_ids)
         nbytes = sum(math.prod(s) * d.itemsize for s, d in zip(call.shapes, call.dtypes))
-        parallel = (self.num_replicas > 1 and not self._cuda and nbytes >= PARALLEL_BYTES
+        parallel = (self.num_replicas > 1 and not self._cuda and nbytes >= self._parallel_bytes
                     and all(len(g) > 1 for g in call.groups) and call.kind is not Kind.PERMUTE)
         if is_inplace(call):
             check_inplace(payloads)
@@ -280,10 +284,9 @@ class ThreadsEngine(Engine):
                 outputs[m] = outs
         return _Plan(outputs)
 
-    @staticmethod
-    def _reduce_column(op: ReduceOp, xs: list[torch.Tensor]) -> Sequence[torch.Tensor]:
+    def _reduce_column(self, op: ReduceOp, xs: list[torch.Tensor]) -> Sequence[torch.Tensor]:
         """One leaf's all-reduce on one device: every member's output, in member order."""
-        if _shares_rows(xs):  # one buffer, one row per member: no allocation per replica
+        if _shares_rows(xs, self._shared_rows_members):  # one buffer, one row per member: no allocation per replica
             buf = torch.empty((len(xs), *xs[0].shape), dtype=xs[0].dtype, device=xs[0].device)
             rows = buf.unbind(0)
             reduce_into(op, rows[0], xs)

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
+from .. import settings
 from ..arguments import check_int
 from ..devices import canonical_device
-from ..engines.base import DEFAULT_TIMEOUT
 from ..engines.threads import ThreadsEngine
 from ..errors import summarize
 from ..timeouts import canonical_timeout
@@ -69,7 +69,7 @@ class MirroredStrategy(Strategy):
                     else [torch.device("cpu")] * (n * k))
         groups = group_devices(devs, k)
         devs = [g[0] for g in groups]
-        timeout = (canonical_timeout(DEFAULT_TIMEOUT, "CROSSREPLICA_TIMEOUT") if timeout_seconds is None
+        timeout = (settings.timeout() if timeout_seconds is None
                    else canonical_timeout(timeout_seconds, "timeout_seconds"))
         self.extended = StrategyExtended(self, devs, ThreadsEngine(devs, timeout), cross_device_ops)
         self.extended.set_logical_devices(groups)

@@ -30,11 +30,11 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import nest
+from .. import nest, settings
 from ..arguments import check_int
 from ..cross_device_ops import CommunicationOptions
 from ..devices import canonical_device
-from ..engines.base import DEFAULT_TIMEOUT, Call, Kind
+from ..engines.base import Call, Kind
 from ..engines.hierarchical import HierarchicalEngine
 from ..engines.sparse import reduce_gathered, sparse_leaves
 from ..engines.torch_dist import TorchDistEngine
@@ -49,12 +49,12 @@ from .logical_devices import group_devices
 __all__ = ["MultiWorkerMirroredStrategy", "MultiWorkerExtended"]
 
 _BACKENDS = ("gloo", "nccl")
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 _log = logging.getLogger(__name__)
 
 
 def _env_int(name: str, default: int | None = None) -> int | None:
+    """An integer from the launcher's environment (torchrun's RANK, WORLD_SIZE, ...)."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -62,16 +62,6 @@ def _env_int(name: str, default: int | None = None) -> int | None:
         return int(raw)
     except ValueError:
         raise ValueError(f"environment variable {name} must be an integer; got {summarize(raw)}") from None
-
-
-def _env_flag(name: str) -> bool:
-    """A boolean environment variable; an unrecognised value is off, with a warning."""
-    raw = os.environ.get(name)
-    value = (raw or "").strip().lower()
-    if value not in _TRUE + _FALSE:
-        warnings.warn(f"environment variable {name}={raw!r} is not one of {list(_TRUE + _FALSE[1:])}; "
-                      f"treated as off", ConfigurationWarning, stacklevel=3)
-    return value in _TRUE
 
 
 def _state_tensors(obj: Any) -> list[torch.Tensor]:
@@ -108,7 +98,7 @@ def _job_namespace() -> str:
     """The store prefix of this job: derived from a secret the launcher shares with every
     worker and nobody else (``CROSSREPLICA_JOB_SECRET``, or torchrun's run id), so a process
     that reaches the store cannot guess the keys (the abort key among them)."""
-    secret = os.environ.get("CROSSREPLICA_JOB_SECRET") or os.environ.get("TORCHELASTIC_RUN_ID", "")
+    secret = settings.job_secret() or os.environ.get("TORCHELASTIC_RUN_ID", "")
     if not secret or secret == "none":
         warnings.warn(
             "MultiWorkerMirroredStrategy: no job secret (CROSSREPLICA_JOB_SECRET, or torchrun's "
@@ -269,10 +259,15 @@ class MultiWorkerMirroredStrategy(Strategy):
                           f"{dist.get_backend()!r}; leave backend out, or create the process group with the "
                           f"backend you want", ConfigurationWarning, stacklevel=2)
             backend = str(dist.get_backend())
-        timeout = (canonical_timeout(DEFAULT_TIMEOUT, "CROSSREPLICA_TIMEOUT") if timeout_seconds is None
+        timeout = (settings.timeout() if timeout_seconds is None
                    else canonical_timeout(timeout_seconds, "timeout_seconds"))
         if check_collectives is None:
-            check_collectives = _env_flag("CROSSREPLICA_CHECK_COLLECTIVES")
+            check_collectives = settings.check_collectives()
+        # The other settings it reads are validated before anything is set up, so a bad
+        # one leaves no process group behind.
+        shared = settings.shared_memory()
+        settings.job_secret()
+        settings.slow_seconds()
         local_rank = _env_int("LOCAL_RANK", 0) or 0
         groups = group_devices(self._devices(replicas_per_worker, backend, devices, local_rank, k), k)
         devs = [g[0] for g in groups]
@@ -289,7 +284,6 @@ class MultiWorkerMirroredStrategy(Strategy):
         if replicas_per_worker == 1:
             # Same-host workers all-reduce floating point through shared memory
             # (engines/torch_dist/shared_memory.py) unless CROSSREPLICA_SHARED_MEMORY=0.
-            shared = os.environ.get("CROSSREPLICA_SHARED_MEMORY") is None or _env_flag("CROSSREPLICA_SHARED_MEMORY")
             engine: TorchDistEngine = TorchDistEngine(
                 devs, timeout, check_collectives=bool(check_collectives), comm_device=comm,
                 ordered_reductions=bool(ordered_reductions), shared_memory=shared)

@@ -9,9 +9,8 @@ import logging
 
 import torch
 
-from .. import context
+from .. import context, settings
 from ..devices import canonical_device
-from ..engines.base import DEFAULT_TIMEOUT
 from ..engines.threads import ThreadsEngine
 from .base import Strategy, StrategyExtended
 
@@ -21,11 +20,15 @@ _log = logging.getLogger(__name__)
 
 
 class OneDeviceStrategy(Strategy):
-    """One replica on ``device``; the same code as N replicas, with N = 1."""
+    """One replica on ``device``; the same code as N replicas, with N = 1.
+
+    Its collectives wait at most ``CROSSREPLICA_TIMEOUT`` seconds (300 by default;
+    docs/settings.md), under the same rule as every strategy's timeout.
+    """
 
     def __init__(self, device: str | torch.device = "cpu"):
         dev = canonical_device(device, "device")
-        self.extended = StrategyExtended(self, [dev], ThreadsEngine([dev], DEFAULT_TIMEOUT))
+        self.extended = StrategyExtended(self, [dev], ThreadsEngine([dev], settings.timeout()))
         _log.info("OneDeviceStrategy: 1 replica on %s (threads engine, in the calling thread)", str(dev))
 
 
