@@ -50,7 +50,10 @@ Groups = tuple[tuple[int, ...], ...]
 
 
 def _as_int(x: Any) -> int | None:
-    if isinstance(x, bool):
+    """``x`` as an int (ints, numpy ints, 0-d tensors), or None for anything else."""
+    if isinstance(x, (bool, list, tuple)):
+        # a row is told from an index before operator.index: torch.compile before 2.12
+        # cannot catch the TypeError that raises while it traces
         return None
     try:
         return operator.index(x)

@@ -20,10 +20,12 @@ spread (|mean| / std > ~100) that loses digits; normalise such inputs first.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, cast
 
 import torch
 from torch import nn as tnn
+from torch.nn import init
 
 from .arguments import check_int
 from .torch_private import BatchNormBase
@@ -38,6 +40,8 @@ __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 # What convert_sync_batchnorm carries over (absent ones are None: no affine, no running stats).
 _BATCH_NORM_PARAMETERS = ("weight", "bias")
 _BATCH_NORM_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+# torch's BatchNorm takes ``bias=`` from 2.12 on; before, SyncBatchNorm drops the shift itself.
+_TORCH_BATCH_NORM_BIAS = "bias" in inspect.signature(tnn.modules.batchnorm._BatchNorm.__init__).parameters
 
 
 class SyncBatchNorm(BatchNormBase):
@@ -71,10 +75,23 @@ class SyncBatchNorm(BatchNormBase):
                 f"num_shards_per_group={summarize(num_shards_per_group)}")
         if num_shards_per_group is not None:
             check_int(num_shards_per_group, "num_shards_per_group", low=1, hint=" or None")
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype,
-                         bias=bias)
+        if _TORCH_BATCH_NORM_BIAS:
+            super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype,
+                             bias=bias)
+        else:
+            super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+            if not bias:
+                self.register_parameter("bias", None)
         self.group_assignment = group_assignment
         self.num_shards_per_group = num_shards_per_group
+
+    def reset_parameters(self) -> None:
+        """As torch's (2.12 on), also where an older torch expects a bias."""
+        self.reset_running_stats()
+        if self.affine:
+            init.ones_(self.weight)
+            if self.bias is not None:
+                init.zeros_(self.bias)
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:

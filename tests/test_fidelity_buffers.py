@@ -277,11 +277,17 @@ def test_bad_sync_buffers(bad):
 
 # ---------------------------------------------------------------------- convert_sync_batchnorm
 
+def _without_bias(layer: nn.Module) -> nn.Module:
+    """A BatchNorm layer as ``bias=False`` makes it (torch 2.12 on), built so on older torch too."""
+    layer.register_parameter("bias", None)
+    return layer
+
+
 def _bn_zoo() -> nn.Module:
     torch.manual_seed(1)
     net = nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3), nn.Sequential(
         nn.BatchNorm2d(3, affine=False), nn.BatchNorm2d(3, track_running_stats=False),
-        nn.BatchNorm2d(3, bias=False, momentum=None, eps=1e-3)))
+        _without_bias(nn.BatchNorm2d(3, momentum=None, eps=1e-3))))
     net[1].weight.requires_grad_(False)
     net[2][0].eval()
     net[1].running_mean.uniform_()
@@ -350,7 +356,7 @@ def test_sync_batch_norm_without_bias_matches_batch_norm():
     xs = [_batch(0, r)[:, :2] for r in range(2)]
     s = cr.MirroredStrategy(2, devices=["cpu"] * 2)
     layers = s.mirror(cr.nn.SyncBatchNorm(2, bias=False))
-    ref = nn.BatchNorm1d(2, bias=False)
+    ref = _without_bias(nn.BatchNorm1d(2))
     assert layers.values[0].bias is None
     outs = s.run(lambda m, x: m(x), args=(layers, cr.PerReplica(xs)))
     torch.testing.assert_close(torch.cat(s.experimental_local_results(outs)), ref(torch.cat(xs)),
