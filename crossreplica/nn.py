@@ -41,7 +41,7 @@ __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 _BATCH_NORM_PARAMETERS = ("weight", "bias")
 _BATCH_NORM_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 # torch's BatchNorm takes ``bias=`` from 2.12 on; before, SyncBatchNorm drops the shift itself.
-_TORCH_BATCH_NORM_BIAS = "bias" in inspect.signature(tnn.modules.batchnorm._BatchNorm.__init__).parameters
+_TORCH_BATCH_NORM_BIAS = "bias" in inspect.signature(BatchNormBase.__init__).parameters
 
 
 class SyncBatchNorm(BatchNormBase):
