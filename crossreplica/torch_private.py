@@ -37,7 +37,7 @@ import torch
 __all__ = ["PRIVATE", "SUPPORTED_TORCH", "Private", "missing_message"]
 
 #: The torch releases crossreplica supports (oldest, newest), inclusive; named in the ImportError.
-SUPPORTED_TORCH = ("2.12", "2.15")  # pyproject.toml's lower bound; the newest release tested (README)
+SUPPORTED_TORCH = ("2.11", "2.15")  # pyproject.toml's lower bound; the newest release tested (README)
 
 
 class Private(NamedTuple):
