@@ -109,6 +109,14 @@ def test_every_collective_gives_the_cpu_bytes(layout, n):
             assert torch.equal(a, b)
 
 
+def _gather_nothing(_):
+    return cr.all_gather({"a": None, "b": [None]}, 0)  # only the sizes leaf travels
+
+
+def test_all_gather_of_a_nest_without_tensors(layout):
+    assert run_on(layout, _gather_nothing, 2, [0, 1]) == [{"a": None, "b": [None]}] * 2
+
+
 def _differentiable(x: torch.Tensor):
     x = _here(x).requires_grad_()
     n = cr.num_replicas()

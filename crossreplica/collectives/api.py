@@ -233,7 +233,8 @@ def all_gather(x: Nest, dim: int = 0, group_assignment: GroupAssignment = None, 
         dims.append(d)
         tensors.append(t)
     run = functools.partial(_execute, rctx)
-    return leaves.repack(autodiff.gather(run, groups, tuple(dims), tensors))
+    device = rctx.device if rctx is not None else None
+    return leaves.repack(autodiff.gather(run, groups, tuple(dims), tensors, device))
 
 
 def all_to_all(x: Nest, split_dim: int, concat_dim: int, group_assignment: GroupAssignment = None, *,

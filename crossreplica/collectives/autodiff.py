@@ -224,10 +224,12 @@ def dual(kind: Kind, groups: Groups, params: tuple, grads: list[torch.Tensor], s
     raise RuntimeError(f"no gradient for collective '{kind}'")
 
 
-def gather(run: Run, groups: Groups, dims: tuple, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def gather(run: Run, groups: Groups, dims: tuple, tensors: list[torch.Tensor],
+           device: torch.device | None = None) -> list[torch.Tensor]:
     """all_gather of ``tensors`` along ``dims`` (sizes may differ): the sizes along the gather
-    dims travel as one more leaf, so that a backward can scatter uneven parts."""
-    # On the replica's device: engines check that every leaf sits where the replica runs.
-    device = tensors[0].device if tensors else None
+    dims travel as one more leaf, so that a backward can scatter uneven parts. The leaf sits
+    on the tensors' device (``device``, the replica's, when there are none): engines check
+    that every leaf sits where the replica runs."""
+    device = tensors[0].device if tensors else device
     sizes = torch.tensor([t.shape[d] for t, d in zip(tensors, dims)], dtype=torch.int64, device=device)
     return run(Kind.ALL_GATHER, groups, (dims + (0,),), [*tensors, sizes])[:-1]
