@@ -13,7 +13,6 @@ Skipped, with the reason, where no CUDA device is visible.
 
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
@@ -461,9 +460,3 @@ def test_dead_worker_under_nccl_releases_the_other():
     assert not out.ok
     assert out.exitcodes.get(1) == 3
     assert 0 in out.failures  # rank 0 reported a failure instead of hanging
-
-
-def test_copy_of_a_cuda_model_stays_on_its_device():
-    model = _net().cuda()
-    twin = copy.deepcopy(model)
-    assert all(p.is_cuda for p in twin.parameters())

@@ -73,10 +73,6 @@ class _SharedPending:
         return rows
 
 
-def _rows(outputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-    return outputs
-
-
 class HierarchicalEngine(TorchDistEngine):
     """``len(devices)`` local replicas per worker; see the module docstring."""
 
@@ -102,7 +98,7 @@ class HierarchicalEngine(TorchDistEngine):
         i = self.local_index[replica_id]
         tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
         if self._fenced is not None:
-            return self._fenced.exchange(i, call, tensors, self._lead, _rows)[i]
+            return self._fenced.exchange(i, call, tensors, self._lead)[i]
         return self.rendezvous.exchange(i, call, tensors, self._lead)[i]
 
     def _lead(self, calls: list[Call], payloads: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:

@@ -77,10 +77,10 @@ class FencedRounds:
 
     def exchange(self, i: int, call: Any, tensors: Sequence[torch.Tensor],
                  lead: Callable[[list[Any], list[Any]], Any],
-                 outputs: Callable[[Any], Sequence[Sequence[torch.Tensor] | None]],
+                 outputs: Callable[[Any], Sequence[Sequence[torch.Tensor] | None]] = lambda result: result,
                  timeout: float | None = None) -> Any:
         """``rendezvous.exchange`` with fences; ``outputs(result)`` lists each replica's
-        output tensors in the leader's ``result``."""
+        output tensors in the leader's ``result`` (default: ``result`` is that list)."""
         self._fences[i] = Fence(cuda_devices(tensors))
         result, done = self.rendezvous.exchange(
             i, call, tensors, lambda calls, payloads: self._lead(lead, outputs, calls, payloads), timeout)

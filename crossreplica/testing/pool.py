@@ -172,9 +172,10 @@ class WorkerPool:
         check_collectives: the strategy's opt-in comparison of every call across workers.
         log_level: a ``logging`` level (``"INFO"``, ``logging.DEBUG``) at which each worker
             writes crossreplica's log records to its stderr; None (default): none.
-        device: ``"cpu"`` (default, gloo) or ``"cuda"``: worker ``w``'s replicas on the
-            visible GPUs from ``cuda:w * replicas_per_worker`` round-robin, joined by NCCL
-            when every worker has a GPU of its own, else by gloo (:attr:`backend`).
+        device: ``"cpu"`` (default, gloo) or ``"cuda"``: with a GPU for every worker, NCCL
+            and the strategy's default devices (each worker's GPUs its own); else gloo, worker
+            ``w``'s replicas on the GPUs from ``cuda:w * replicas_per_worker`` round-robin
+            (:attr:`backend` says which).
     """
 
     def __init__(self, num_workers: int, replicas_per_worker: int = 1, *,

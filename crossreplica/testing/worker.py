@@ -4,8 +4,8 @@
 with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, ...)
 already set. It builds ``cr.MultiWorkerMirroredStrategy(replicas_per_worker)``
 on the pool's device type and backend (the CPU with gloo; GPUs with NCCL, or
-with gloo where workers share a GPU) once, reports its local replica ids, then serves jobs from its pipe until the
-pool closes it:
+with gloo where workers share a GPU) once, reports its local replica ids, then
+serves jobs from its pipe until the pool closes it:
 
 * ``{"mode": "replica", ...}``: ``fn(*args)`` in every local replica through
   ``strategy.run``; the reply maps each local replica id to its result.
@@ -160,7 +160,9 @@ def _serve(conn: Connection, replicas_per_worker: int, timeout_seconds: float, c
     rank = int(os.environ["RANK"])
     start = time.monotonic()
     try:
-        devices = replica_devices(device, int(os.environ["LOCAL_RANK"]) * replicas_per_worker, replicas_per_worker)
+        # NCCL: the strategy's own rule gives each process GPUs of its own; gloo may share them.
+        devices = (None if backend == "nccl" else
+                   replica_devices(device, int(os.environ["LOCAL_RANK"]) * replicas_per_worker, replicas_per_worker))
         strategy = cr.MultiWorkerMirroredStrategy(replicas_per_worker, backend, devices=devices,
                                                   timeout_seconds=timeout_seconds,
                                                   check_collectives=check_collectives)
