@@ -26,6 +26,7 @@ from .values import (DistributedValues, Mirrored, PerReplica, regroup, select_re
 from .cross_device_ops import (AllReduceCrossDeviceOps, CommunicationOptions, CrossDeviceOps,
                                ReductionToOneDevice)
 from .data import InputContext, ValueContext
+from .micro_batches import LayoutInvariant, replica_share
 from .optim import CrossShardOptimizer
 from .variables import Variable, VariableAggregation, VariableSynchronization
 from . import nn
@@ -42,6 +43,7 @@ __all__ = [
     "ReplicaContext", "get_strategy", "has_strategy", "in_cross_replica_context", "get_replica_context",
     "ReplicaContextError", "CollectiveMismatchError", "CollectiveTimeoutError", "ReplicaError",
     "Strategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy",
+    "LayoutInvariant", "replica_share",
     "all_reduce", "cross_replica_sum", "cross_replica_mean", "cross_replica_average", "all_gather",
     "reduce_scatter", "all_to_all", "broadcast", "collective_permute", "replica_id", "num_replicas",
     "CrossDeviceOps", "ReductionToOneDevice", "AllReduceCrossDeviceOps", "CommunicationOptions",

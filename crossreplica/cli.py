@@ -89,6 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="no progress bar (when stderr is not a terminal there is none anyway: "
                             "one line per epoch)")
     train.add_argument("--no-compare", action="store_true", help="skip the one-device comparison run")
+    train.add_argument("--layout-invariant", action="store_true",
+                       help="train in the layout-invariant mode: the final parameters are bitwise the same "
+                            "for any number of replicas, workers and hosts (docs/layout_invariance.md)")
+    train.add_argument("--micro-batches", type=_positive_int, default=8,
+                       help="micro-batches per global batch with --layout-invariant; the replicas in sync "
+                            "must divide it (default 8; 24 also allows 3 and 6)")
+    train.add_argument("--save-params", metavar="PATH", default=None,
+                       help="torch.save the final model's state_dict to PATH (on the chief), e.g. to compare "
+                            "two layouts: torch.equal on every tensor")
     train.add_argument("--log-level", choices=_LOG_LEVELS, type=str.upper, default=None,
                        help="write crossreplica's log records at this level and above to stderr (set-up "
                             "at INFO, slow collectives and failures at WARNING/ERROR); default: none")
@@ -99,7 +108,9 @@ def _train(args: argparse.Namespace) -> int:
     config = TrainConfig(replicas=args.replicas, strategy=args.strategy, epochs=args.epochs,
                          batch_size=args.batch_size, lr=args.lr, dropout=args.dropout, seed=args.seed,
                          progress=not args.no_progress, compare=not args.no_compare,
-                         replicas_per_worker=args.replicas_per_worker)
+                         replicas_per_worker=args.replicas_per_worker,
+                         micro_batches=args.micro_batches if args.layout_invariant else None,
+                         save_params=args.save_params)
     result = train(config)
     if not result.chief:  # the chief reports for every worker
         return 0 if result.replicas_identical else 1

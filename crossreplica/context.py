@@ -193,7 +193,7 @@ def require_replica_context(api: str) -> "ReplicaContext":
 class ReplicaContext:
     """What a replica function knows about itself and its peers."""
 
-    __slots__ = ("_strategy", "_host", "_replica_id", "_local_index", "_engine", "_run")
+    __slots__ = ("_strategy", "_host", "_replica_id", "_local_index", "_engine", "_run", "micro_batch")
 
     def __init__(self, strategy: StrategyLike, replica_id: int, local_index: int, engine: "Engine",
                  run: object = None):
@@ -203,6 +203,8 @@ class ReplicaContext:
         self._local_index = local_index
         self._engine = engine
         self._run = run  # the run this context belongs to (its host's run_token then)
+        #: In the layout-invariant mode, the micro-batch being run (a ``MicroBatch``); else None.
+        self.micro_batch: Any = None
 
     def check_current(self, prefix: str, name: object = "") -> None:
         """Raises if this replica's run was abandoned (a later run is under way).

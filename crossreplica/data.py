@@ -168,16 +168,18 @@ def split_batch(batch: Any, num_parts: int, keep: Iterable[int] | None = None,
 
 
 def distribute_batch(batch: Any, num_parts: int, keep: Iterable[int] | None = None,
-                     devices: Any = None, sizes: Sequence[int] | None = None) -> Any:
+                     devices: Any = None, sizes: Sequence[int] | None = None, wrap: bool = False) -> Any:
     """:func:`split_batch` as one nest whose split leaves are PerReplica values (one
     piece per kept part); leaves that are not split stay plain. Per-row sequences of
     uneven parts differ in length, so they are leaves here, never regrouped. With
     ``sizes`` (one row count per part, at most the batch's rows in all) the parts
-    are those sizes instead of an even split."""
+    are those sizes instead of an even split. ``wrap`` makes split leaves PerReplica
+    values even with one part (the layout-invariant mode finds the rows to cut that way)."""
     spec, cuts = _cut_leaves(batch, num_parts, keep, devices, sizes)
-    if len(cuts[0]) == 1:
+    if len(cuts[0]) == 1 and not wrap:
         return nest.unflatten(spec, [pieces[0] for pieces in cuts])
-    return nest.unflatten(spec, [pieces[0] if pieces[0] is pieces[-1] else PerReplica(pieces)
+    return nest.unflatten(spec, [PerReplica(pieces) if pieces[0] is not pieces[-1]
+                                 or (wrap and isinstance(pieces[0], torch.Tensor)) else pieces[0]
                                  for pieces in cuts])
 
 
@@ -268,7 +270,7 @@ class DistributedDataset:
         self._source = source
         self._from_function = from_function
         ext = strategy.extended
-        self._sharded = (ShardedLoader(source, ext.num_replicas_in_sync, ext.local_replica_ids)
+        self._sharded = (ShardedLoader(source, ext.num_replicas_in_sync, ext.local_replica_ids, ext.batch_split)
                          if not from_function and ext.num_input_pipelines > 1 and shardable(source) else None)
         self._uneven_seen = False
 
@@ -285,18 +287,22 @@ class DistributedDataset:
         elif self._sharded is not None:
             keep = list(ext.local_replica_ids)
             for batch, rows in self._sharded:
-                sizes = split_sizes(rows, ext.num_replicas_in_sync)
+                sizes = ext.batch_split(rows)
                 if rows % len(sizes) and not self._uneven_seen:
                     self._log_uneven(rows, sizes)
-                yield distribute_batch(batch, len(keep), None, devices, [sizes[p] for p in keep])
+                yield distribute_batch(batch, len(keep), None, devices, [sizes[p] for p in keep],
+                                       wrap=ext.layout_invariant is not None)
         else:
             parts, keep = ext.num_replicas_in_sync, list(ext.local_replica_ids)
+            invariant = ext.layout_invariant is not None
             for batch in self._source:
-                if not self._uneven_seen and _log.isEnabledFor(logging.INFO):
+                sizes = None
+                if invariant or (not self._uneven_seen and _log.isEnabledFor(logging.INFO)):
                     rows = _rows(nest.flatten(batch, is_leaf=_is_plain_sequence)[0], batch)
-                    if rows % parts:
-                        self._log_uneven(rows, split_sizes(rows, parts))
-                yield distribute_batch(batch, parts, keep, devices)
+                    sizes = ext.batch_split(rows)
+                    if rows % parts and not self._uneven_seen:
+                        self._log_uneven(rows, sizes)
+                yield distribute_batch(batch, parts, keep, devices, sizes if invariant else None, wrap=invariant)
 
     def _log_uneven(self, rows: int, sizes: list[int]) -> None:
         self._uneven_seen = True

@@ -30,6 +30,7 @@ from torch.nn import functional as F
 
 from .arguments import check_int, check_number
 from .data import split_batch
+from .micro_batches import LayoutInvariant
 from .optim import CrossShardOptimizer
 from .strategies import MirroredStrategy, MultiWorkerMirroredStrategy, OneDeviceStrategy, Strategy
 
@@ -54,10 +55,14 @@ class TrainConfig:
     compare: bool = True
     threads: int | None = None  # torch intra-op threads per replica; None: cores // replicas
     replicas_per_worker: int = 1  # for multi_worker: local replicas of each torchrun process
+    micro_batches: int | None = None  # the layout-invariant mode with this many micro-batches per batch
+    save_params: str | None = None  # torch.save the final model's state_dict here (on the chief)
 
     def validate(self) -> None:
         for name in ("replicas", "epochs", "batch_size", "hidden", "replicas_per_worker"):
             check_int(getattr(self, name), name, low=1)
+        if self.micro_batches is not None:
+            check_int(self.micro_batches, "micro_batches", low=1, hint=" or None")
         check_number(self.lr, "lr", positive=True)
         check_number(self.dropout, "dropout")
         if not 0.0 <= self.dropout < 1.0:
@@ -93,17 +98,24 @@ class TrainResult:
 
 # --------------------------------------------------------------------------- pieces
 
+def _layout(config: TrainConfig) -> LayoutInvariant | None:
+    # The train step returns sums (loss, correct, rows): its micro-batches' results add up.
+    return None if config.micro_batches is None else LayoutInvariant(config.micro_batches, results="sum")
+
+
 def _one_device(config: TrainConfig) -> Strategy:
-    return OneDeviceStrategy("cpu")
+    return OneDeviceStrategy("cpu", layout_invariant=_layout(config))
 
 
 def _mirrored(config: TrainConfig) -> Strategy:
-    return MirroredStrategy(num_replicas=config.replicas, devices=["cpu"] * config.replicas)
+    return MirroredStrategy(num_replicas=config.replicas, devices=["cpu"] * config.replicas,
+                            layout_invariant=_layout(config))
 
 
 def _multi_worker(config: TrainConfig) -> Strategy:
     # Built from torchrun's environment; without one it is a single worker.
-    return MultiWorkerMirroredStrategy(replicas_per_worker=config.replicas_per_worker)
+    return MultiWorkerMirroredStrategy(replicas_per_worker=config.replicas_per_worker,
+                                       layout_invariant=_layout(config))
 
 
 #: strategy name -> factory; the CLI offers exactly these.
@@ -212,7 +224,9 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
     log(f"crossreplica train: {config.strategy} strategy, {n} replica(s) in sync, {config.epochs} "
         f"epochs, global batch {config.batch_size}, lr {config.lr}, seed {config.seed}")
     saved_threads, saved_rng = torch.get_num_threads(), torch.get_rng_state()
-    torch.set_num_threads(config.threads or max(1, _cores() // n))
+    layout = strategy.extended.layout_invariant
+    torch.set_num_threads(config.threads or (layout.intra_op_threads if layout is not None else None)
+                          or max(1, _cores() // n))
     # Every strategy.run draws the replicas' stream base from this generator
     # (docs/fidelity.md, "Random numbers"); train_reference makes the same draws.
     torch.manual_seed(config.seed)
@@ -254,9 +268,13 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
     identical = all(torch.equal(a, b) for m in copies[1:]
                     for a, b in zip(copies[0].state_dict().values(), m.state_dict().values()))
     result = TrainResult(config, history, seconds, identical, model=copies[0], chief=chief)
+    if config.save_params is not None and chief:
+        torch.save(copies[0].state_dict(), config.save_params)
     if config.compare:
         t0 = time.perf_counter()
-        reference = train_reference(config, copy.deepcopy(initial), x_train, y_train, n)
+        # The layout-invariant mode's parts are the micro-batches (same draws, same split).
+        parts = n if config.micro_batches is None else config.micro_batches
+        reference = train_reference(config, copy.deepcopy(initial), x_train, y_train, parts)
         result.reference_seconds = time.perf_counter() - t0
         result.max_abs_param_diff = max(
             (a - b).abs().max().item() for a, b in zip(copies[0].parameters(), reference.parameters()))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import collections
 from typing import Any
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -50,17 +50,19 @@ def shardable(source: Any) -> bool:
 class _ShardSampler:
     """The original batch sampler's global batches, cut to one worker's replicas' indices."""
 
-    def __init__(self, batch_sampler: Any, num_replicas: int, keep: Sequence[int]):
+    def __init__(self, batch_sampler: Any, num_replicas: int, keep: Sequence[int],
+                 split: Callable[[int], list[int]] | None = None):
         self.batch_sampler = batch_sampler
         self.num_replicas = num_replicas
         self.keep = list(keep)
+        self.split = split or (lambda rows: split_sizes(rows, num_replicas))
         self.rows: collections.deque[int] = collections.deque()
 
     def __iter__(self) -> Iterator[list[int]]:
         self.rows.clear()  # a new pass: what an abandoned one queued is stale
         for batch in self.batch_sampler:
             indices = list(batch)
-            sizes = split_sizes(len(indices), self.num_replicas)
+            sizes = self.split(len(indices))
             starts = [sum(sizes[:i]) for i in range(self.num_replicas)]
             mine = [j for part in self.keep for j in indices[starts[part]:starts[part] + sizes[part]]]
             self.rows.append(len(indices))
@@ -79,13 +81,16 @@ class ShardedLoader:
         loader: a DataLoader for which :func:`shardable` holds.
         num_replicas: replicas in sync over all workers.
         keep: this worker's replica ids, in local order.
+        split: a global batch's rows -> each replica's rows (default: as even as possible,
+            :func:`split_sizes`).
     """
 
-    def __init__(self, loader: DataLoader, num_replicas: int, keep: Sequence[int]):
+    def __init__(self, loader: DataLoader, num_replicas: int, keep: Sequence[int],
+                 split: Callable[[int], list[int]] | None = None):
         if not shardable(loader):
             raise ValueError(f"loader must be a DataLoader over a map-style dataset with automatic batching; "
                              f"got {loader!r}")
-        self._sampler = _ShardSampler(loader.batch_sampler, num_replicas, keep)
+        self._sampler = _ShardSampler(loader.batch_sampler, num_replicas, keep, split)
         settings = {k: getattr(loader, k) for k in _LOADER_SETTINGS if hasattr(loader, k)}
         self._loader = DataLoader(loader.dataset, batch_sampler=self._sampler, **settings)  # type: ignore[arg-type]
 

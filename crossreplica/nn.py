@@ -111,6 +111,11 @@ class SyncBatchNorm(BatchNormBase):
         rctx = get_replica_context()
         if not self.training or rctx is None:
             return self._local(input)
+        if rctx.micro_batch is not None:
+            raise ValueError(
+                "cr.nn.SyncBatchNorm cannot train in the layout-invariant mode: its batch statistics span the "
+                "micro-batches that run at the same time, which depend on the replica count; use "
+                "torch.nn.BatchNorm (statistics per micro-batch, running statistics combined invariantly)")
         groups = self._groups(rctx.num_replicas_in_sync)
         if len(group_of(groups, rctx.replica_id_in_sync_group)) == 1:
             return self._local(input)

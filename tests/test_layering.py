@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "crossreplica"
 LAYERS: dict[str, int] = {
     "errors": 0, "reduce_op": 0, "arguments": 0, "devices": 0, "nest": 0, "groups": 0,
     "values": 0, "packing": 0, "version": 0, "types": 0, "timeouts": 0, "torch_state": 0, "logs": 0,
-    "random_streams": 0, "torch_private": 0, "settings": 0,
+    "random_streams": 0, "torch_private": 0, "settings": 0, "tree_sum": 0, "micro_batches": 0,
     "engines": 1,
     "context": 2,
     "collectives": 3,

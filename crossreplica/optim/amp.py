@@ -63,6 +63,11 @@ def reduce_before_scaler(opt: Any) -> bool:
     try:
         opt._amp_late = False
         rctx = get_replica_context()
+        if rctx is not None and rctx.micro_batch is not None:
+            raise ValueError(
+                "torch.amp.GradScaler cannot be used in the layout-invariant mode: its scale would change "
+                "between micro-batches, so the loss scaling would depend on the layout; use bfloat16 "
+                "autocast without a scaler, or the default mode")
         if rctx is None or opt._synchronized:
             return True  # outside a replica, step() raises the usual ReplicaContextError
         groups = opt._groups(rctx.num_replicas_in_sync)

@@ -20,6 +20,7 @@ from ..errors import summarize
 from ..groups import Groups, group_of, resolve_groups
 from ..packing import DEFAULT_BYTES_PER_PACK, PackedBuffers
 from ..reduce_op import ReduceOp
+from . import invariant
 from .amp import reduce_before_scaler, unscale_or_skip
 from .arguments import (
     canonical_name,
@@ -255,6 +256,8 @@ class CrossShardOptimizer(torch.optim.Optimizer):
             cr.ReplicaContextError: called outside a replica function.
         """
         rctx = require_replica_context("CrossShardOptimizer.step")
+        if rctx.micro_batch is not None:
+            return invariant.invariant_step(self, rctx.micro_batch, closure, weight)
         if not unscale_or_skip(self, closure, weight):
             return None  # GradScaler found an inf in the reduced gradients: the whole group skips
         if self._sharded is not None:
@@ -300,7 +303,11 @@ class CrossShardOptimizer(torch.optim.Optimizer):
 
         The next :meth:`step` then steps without reducing again.
         """
-        require_replica_context("CrossShardOptimizer.synchronize")
+        rctx = require_replica_context("CrossShardOptimizer.synchronize")
+        if rctx.micro_batch is not None:
+            # Folds this micro-batch; the gradients are the step's only in the replica's last one.
+            self._synchronized = invariant.synchronize(self, rctx.micro_batch, weight)
+            return
         if self._synchronized:
             raise RuntimeError(
                 "CrossShardOptimizer.synchronize was called twice without step() or zero_grad() in "

@@ -147,8 +147,8 @@ class OverlappedReduction:
         if not self.enabled:
             return
         rctx = get_replica_context()
-        if rctx is None:
-            return
+        if rctx is None or rctx.micro_batch is not None:
+            return  # the layout-invariant mode reduces at the step, by its fixed tree
         if not self._queued:  # the first gradient of this backward: no bucket has started
             own = rctx.engine.own_bucket_bytes
             if own != self._own_bytes:

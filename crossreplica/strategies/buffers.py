@@ -104,6 +104,15 @@ class MirroredBuffers:
         for j in range(len(per_copy[0])):
             self._groups.append(_Group([mods[j] for mods in per_copy], policy))
 
+    def local_modules(self, local_index: int) -> list[torch.nn.Module]:
+        """Every mirrored module's copy on local replica ``local_index`` (registration order)."""
+        found = []
+        for g in self._groups:
+            mods = g.modules()
+            if mods is not None and local_index < len(mods):
+                found.append(mods[local_index])
+        return found
+
     def for_run(self, num_replicas: int, num_local: int) -> RunSync | None:
         """The sync of the coming run (None: nothing to sync), given the replicas in sync
         and how many of them run in this process."""

@@ -11,6 +11,7 @@ cross-device ops' ``Reducer`` interfaces.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Iterator, Sequence
@@ -24,6 +25,8 @@ from ..engines.base import MERGE_CALL, Engine, check_agreement
 from ..engines.reduction import reduce_into
 from ..engines.sparse import reduce_coo_tensors
 from ..errors import ReplicaContextError, summarize
+from ..input_shards import split_sizes
+from ..micro_batches import LayoutInvariant, PendingGradients, replica_share
 from ..random_streams import draw_base, replica_stream, suspended
 from ..reduce_op import ReduceOp, from_wire, to_wire
 from ..values import (
@@ -37,6 +40,7 @@ from ..values import (
 from ..variables import Variable
 from .buffers import MirroredBuffers
 from .logical_devices import LogicalDeviceExtended
+from .micro_batched import MicroBatchedRun
 from .replica_threads import ReplicaThreads, raise_first_failure
 from .steps import MultiStepContext, run_steps_on_iterator
 from .tf_compat import TFCompatExtended, broadcast_to
@@ -75,6 +79,10 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
         self._run_token: object = None
         # the modules strategy.mirror made, whose buffers each run keeps in agreement
         self.mirrored_buffers = MirroredBuffers()
+        #: The layout-invariant mode (``layout_invariant=`` of the strategy), or None.
+        self.layout_invariant: LayoutInvariant | None = None
+        self._pending: list[PendingGradients] = []
+        self._micro_runs = 0
         self._threads = ReplicaThreads(n, type(container).__name__) if n > 1 else None
         if self._threads is not None:
             # Not at interpreter exit: waking daemon threads while the interpreter
@@ -122,10 +130,16 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
                 "strategy.run was called while a run of the same strategy is in progress (from a "
                 "replica function or merge_fn); call it from the main program only")
         self._running = True
+        threads = self.layout_invariant.intra_op_threads if self.layout_invariant is not None else None
+        saved = torch.get_num_threads()
+        if threads is not None and threads != saved:
+            torch.set_num_threads(threads)
         try:
             return self._call_for_each_replica(fn, args, kwargs)
         finally:
             self._running = False
+            if threads is not None and threads != saved:
+                torch.set_num_threads(saved)
 
     def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[Any]:
         strategy, engine = self._container, self.engine
@@ -140,6 +154,7 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
         buffer_sync = self.mirrored_buffers.for_run(self.num_replicas_in_sync, len(ids))
         # One draw from the caller's generator per run; replica i's stream is seeded from it and i.
         base = draw_base() if self.random_streams else None
+        micro = self._micro_batched(args, kwargs, base)
         engine.begin_run()
 
         def body(i: int) -> Any:
@@ -148,12 +163,14 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
             context.push(strategy, rctx)
             try:
                 with torch_state.applied(state), replica_stream(base, ids[i]):
+                    call = (functools.partial(fn, *a, **kw) if micro is None
+                            else functools.partial(micro, fn, i, rctx))
                     if devices[i].type == "cuda":
                         with torch.cuda.device(devices[i]):
-                            out = fn(*a, **kw)
+                            out = call()
                     else:
-                        out = fn(*a, **kw)
-                if buffer_sync is not None:
+                        out = call()
+                if buffer_sync is not None and micro is None:
                     buffer_sync.sync(i)
             finally:
                 context.pop()
@@ -175,6 +192,23 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
             results = self._threads.run(body, on_error, self.timeout, ids)
         self.mirrored_buffers.after_run(buffer_sync, self.reduce_values)
         return results
+
+    def _micro_batched(self, args: tuple, kwargs: dict, base: int | None) -> MicroBatchedRun | None:
+        """The layout-invariant mode's run (None in the default mode)."""
+        layout = self.layout_invariant
+        if layout is None:
+            return None
+        if not self._pending:
+            self._pending = [PendingGradients() for _ in self.local_replica_ids]
+        self._micro_runs += 1
+        return MicroBatchedRun.of(layout, args, kwargs, self.num_replicas_in_sync, self.local_replica_ids,
+                               self.mirrored_buffers.local_modules, self._pending, self._micro_runs, base)
+
+    def batch_split(self, rows: int) -> list[int]:
+        """The rows of a global batch of ``rows`` each replica in sync gets (distribute_dataset)."""
+        if self.layout_invariant is not None:
+            return replica_share(rows, self.layout_invariant.micro_batches, self.num_replicas_in_sync)
+        return split_sizes(rows, self.num_replicas_in_sync)
 
     def merge_call(self, rctx: ReplicaContext, merge_fn: Callable[..., Any], args: tuple,
                    kwargs: dict, timeout: float | None = None) -> Any:

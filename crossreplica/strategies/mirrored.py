@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..micro_batches import LayoutInvariant, check_layout
 from .. import settings
 from ..arguments import check_int
 from ..devices import canonical_device
@@ -44,11 +45,13 @@ class MirroredStrategy(Strategy):
         logical_devices_per_replica: devices each replica owns (model
             parallelism inside a replica); replica ``i`` gets ``devices[i*k:(i+1)*k]``
             and runs on the first (see :mod:`crossreplica.strategies.logical_devices`).
+        layout_invariant: a ``cr.LayoutInvariant(micro_batches=M)`` for training whose
+            bits do not depend on the number of replicas (docs/layout_invariance.md).
     """
 
     def __init__(self, num_replicas: int | None = None, devices: Sequence[Any] | None = None,
                  cross_device_ops: Any = None, *, timeout_seconds: float | None = None,
-                 logical_devices_per_replica: int = 1):
+                 logical_devices_per_replica: int = 1, layout_invariant: LayoutInvariant | None = None):
         k = check_int(logical_devices_per_replica, "logical_devices_per_replica", low=1)
         if num_replicas is not None:
             check_int(num_replicas, "num_replicas", low=1, hint=" or None")
@@ -73,6 +76,7 @@ class MirroredStrategy(Strategy):
                    else canonical_timeout(timeout_seconds, "timeout_seconds"))
         self.extended = StrategyExtended(self, devs, ThreadsEngine(devs, timeout), cross_device_ops)
         self.extended.set_logical_devices(groups)
+        self.extended.layout_invariant = check_layout(layout_invariant, len(devs))
         _log.info("MirroredStrategy: %d replicas (threads engine, one thread per replica) on %s, timeout %gs",
                   len(devs), [str(d) for d in devs], timeout)
         if k > 1:

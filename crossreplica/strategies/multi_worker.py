@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from ..micro_batches import LayoutInvariant, check_layout
 from .. import nest, settings
 from ..arguments import check_int
 from ..cross_device_ops import CommunicationOptions
@@ -238,14 +239,19 @@ class MultiWorkerMirroredStrategy(Strategy):
         communication_options: a ``cr.CommunicationOptions``, as TF's argument of that
             name: the options of every reduction given none. Its ``timeout_seconds``
             is also the strategy's timeout when ``timeout_seconds`` is not given.
+        layout_invariant: a ``cr.LayoutInvariant(micro_batches=M)`` for training whose
+            bits do not depend on the number of workers and replicas
+            (docs/layout_invariance.md).
     """
 
     def __init__(self, replicas_per_worker: int = 1, backend: str | None = None,
                  timeout_seconds: float | None = None, *, devices: Sequence[Any] | None = None,
                  check_collectives: bool | None = None, cross_device_ops: Any = None,
                  ordered_reductions: bool = True, logical_devices_per_replica: int = 1,
-                 communication_options: CommunicationOptions | None = None):
+                 communication_options: CommunicationOptions | None = None,
+                 layout_invariant: LayoutInvariant | None = None):
         check_int(replicas_per_worker, "replicas_per_worker", low=1)
+        check_layout(layout_invariant, 1)  # its type, before any process group is set up
         if communication_options is not None and not isinstance(communication_options, CommunicationOptions):
             raise ValueError(f"communication_options must be a cr.CommunicationOptions or None; got "
                              f"{summarize(communication_options)}")
@@ -293,6 +299,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         self.extended = MultiWorkerExtended(self, devs, engine, cross_device_ops)
         self.extended.communication_options = communication_options
         self.extended.set_logical_devices(groups)
+        self.extended.layout_invariant = check_layout(layout_invariant, engine.num_replicas)
         if str(dist.get_backend()) == "nccl":
             engine.barrier("set-up")  # creates the communicators with every rank present
         _log.info("MultiWorkerMirroredStrategy: %d replicas in sync, %d workers x %d local replicas (%s engine), "

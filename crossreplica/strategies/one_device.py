@@ -9,6 +9,7 @@ import logging
 
 import torch
 
+from ..micro_batches import LayoutInvariant, check_layout
 from .. import context, settings
 from ..devices import canonical_device
 from ..engines.threads import ThreadsEngine
@@ -23,12 +24,15 @@ class OneDeviceStrategy(Strategy):
     """One replica on ``device``; the same code as N replicas, with N = 1.
 
     Its collectives wait at most ``CROSSREPLICA_TIMEOUT`` seconds (300 by default;
-    docs/settings.md), under the same rule as every strategy's timeout.
+    docs/settings.md), under the same rule as every strategy's timeout. With
+    ``layout_invariant=cr.LayoutInvariant(micro_batches=M)`` it runs the ``M``
+    micro-batches of each batch in turn (docs/layout_invariance.md).
     """
 
-    def __init__(self, device: str | torch.device = "cpu"):
+    def __init__(self, device: str | torch.device = "cpu", *, layout_invariant: LayoutInvariant | None = None):
         dev = canonical_device(device, "device")
         self.extended = StrategyExtended(self, [dev], ThreadsEngine([dev], settings.timeout()))
+        self.extended.layout_invariant = check_layout(layout_invariant, 1)
         _log.info("OneDeviceStrategy: 1 replica on %s (threads engine, in the calling thread)", str(dev))
 
 

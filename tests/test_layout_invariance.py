@@ -1,0 +1,316 @@
+"""The layout-invariant mode: the same bits on one device and on any number of replicas.
+
+Every comparison is ``torch.equal`` of the final parameters and buffers against the
+same training on ``OneDeviceStrategy`` (which runs every micro-batch itself), with a
+control in the default mode showing that the layouts otherwise differ.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import crossreplica as cr
+from crossreplica.tree_sum import TreeStack, tree_combine, tree_nodes
+
+# ---------------------------------------------------------------------------- the tree sum
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 12, 24])
+def test_every_contiguous_split_gives_the_same_bits(n):
+    g = torch.Generator().manual_seed(n)
+    xs = [torch.randn(257, generator=g) * 10.0 ** torch.randint(-6, 6, (257,), generator=g) for _ in range(n)]
+    whole = _split_sum(xs, [n])
+    for cuts in itertools.chain.from_iterable(itertools.combinations(range(1, n), k) for k in range(min(n, 4))):
+        sizes = [b - a for a, b in zip((0, *cuts), (*cuts, n))]
+        assert torch.equal(_split_sum(xs, sizes), whole), sizes
+    # a different order of the same float additions would differ: the tree is what keeps it
+    sequential = xs[0].clone()
+    for x in xs[1:]:
+        sequential += x
+    exact = torch.stack(xs).double().sum(0)
+    bound = max(1, (n - 1).bit_length()) * 2.0 ** -24 * torch.stack(xs).double().abs().sum(0)
+    assert torch.all((whole.double() - exact).abs() <= bound + 1e-300)
+
+
+def _split_sum(xs, sizes):
+    nodes, lo = {}, 0
+    for size in sizes:
+        stack = TreeStack()
+        for i in range(lo, lo + size):
+            stack.push(i, [xs[i].clone()])
+        assert [node for node, _ in stack.nodes] == tree_nodes(lo, lo + size)
+        nodes.update({node: value[0] for node, value in stack.nodes})
+        lo += size
+    return tree_combine(nodes, len(xs))
+
+
+def test_tree_nodes_are_aligned_and_few():
+    for start in range(0, 40):
+        for stop in range(start, 41):
+            nodes = tree_nodes(start, stop)
+            assert sum(hi - lo for lo, hi in nodes) == stop - start
+            assert all((hi - lo) & (hi - lo - 1) == 0 and lo % (hi - lo) == 0 for lo, hi in nodes)
+            assert len(nodes) <= 2 * max(1, (stop - start + 1).bit_length())
+
+
+def test_tree_combine_names_a_missing_summand():
+    with pytest.raises(ValueError, match="summand 2 of 4"):
+        tree_combine({(0, 2): torch.ones(1), (3, 4): torch.ones(1)}, 4)
+
+
+# ---------------------------------------------------------------------------- training
+
+
+class _Net(nn.Module):
+    """An MLP with BatchNorm (buffers) and dropout (random streams)."""
+
+    def __init__(self, bn: bool = True):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 32), nn.Linear(32, 3)
+        self.bn = nn.BatchNorm1d(32) if bn else nn.Identity()
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.bn(self.fc1(x)))))
+
+
+class _Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, 16)
+        layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.encoder(self.embed(x)).mean(1))
+
+
+MODELS = {"mlp": (_Net, (8,)), "encoder": (_Encoder, (6, 4))}
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2),
+    "adam_foreach": lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2),
+}
+
+
+def _batches(shape, steps, batch, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(steps * batch, *shape, generator=g)
+    y = torch.randint(0, 3, (steps * batch,), generator=g)
+    return [(x[i:i + batch], y[i:i + batch]) for i in range(0, len(x), batch)]
+
+
+def _step(model, opt, batch, weighted):
+    x, y = batch
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    if weighted:
+        opt.step(weight=x.shape[0])
+    else:
+        opt.step()
+    return loss.detach()
+
+
+def _accumulate(model, batch):
+    x, y = batch
+    F.cross_entropy(model(x), y).backward()
+
+
+def _train(strategy, model_name="mlp", optimizer="adamw", steps=6, batch=48, weighted=False, accumulate=1,
+           overlap=False):
+    make, shape = MODELS[model_name]
+    torch.manual_seed(0)
+    model = strategy.mirror(make())
+    opts = strategy.run(lambda m: cr.CrossShardOptimizer(OPTIMIZERS[optimizer](m.parameters()), overlap=overlap),
+                        args=(model,))
+    torch.manual_seed(5)
+    losses = []
+    for i, b in enumerate(strategy.distribute_dataset(_batches(shape, steps, batch))):
+        if (i + 1) % accumulate:
+            strategy.run(_accumulate, args=(model, b))
+        else:
+            losses.append(strategy.run(_step, args=(model, opts, b, weighted)))
+    copies = strategy.experimental_local_results(model)
+    for c in copies[1:]:  # the replicas agree with each other, buffers included
+        assert all(torch.equal(a, b) for a, b in zip(copies[0].state_dict().values(), c.state_dict().values()))
+    return {k: v.clone() for k, v in copies[0].state_dict().items()}
+
+
+def _assert_same(a, b):
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, {k: (a[k].float() - b[k].float()).abs().max().item() for k in different}
+
+
+LAYOUT = cr.LayoutInvariant(micro_batches=24)
+
+
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_bitwise_on_one_device_and_on_2_3_4_8_replicas(model_name):
+    reference = _train(cr.OneDeviceStrategy(layout_invariant=LAYOUT), model_name)
+    for n in (2, 3, 4, 8):
+        _assert_same(reference, _train(cr.MirroredStrategy(num_replicas=n, layout_invariant=LAYOUT), model_name))
+    # the control: the default mode's layouts differ in the last bits (so the check above can fail)
+    default = [_train(cr.MirroredStrategy(num_replicas=n), model_name) for n in (2, 4)]
+    assert any(not torch.equal(default[0][k], default[1][k]) for k in default[0])
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_every_optimizer_weighted_uneven_batches(optimizer):
+    # 50 rows: micro-batches of 3 and 2 rows; weight= makes the mean exact by rows
+    layout = cr.LayoutInvariant(micro_batches=8)
+    ref = _train(cr.OneDeviceStrategy(layout_invariant=layout), optimizer=optimizer, batch=50, weighted=True)
+    for n in (2, 4):
+        got = _train(cr.MirroredStrategy(num_replicas=n, layout_invariant=layout), optimizer=optimizer, batch=50,
+                     weighted=True)
+        _assert_same(ref, got)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_accumulation_over_runs_and_overlap(overlap):
+    ref = _train(cr.OneDeviceStrategy(layout_invariant=LAYOUT), accumulate=2, steps=8, overlap=overlap)
+    for n in (2, 4):
+        got = _train(cr.MirroredStrategy(num_replicas=n, layout_invariant=LAYOUT), accumulate=2, steps=8,
+                     overlap=overlap)
+        _assert_same(ref, got)
+
+
+def test_one_micro_batch_per_replica_draws_as_the_default_mode():
+    # M = R: replica m runs micro-batch m with seed base + m, as the default mode's replica m
+    layout = cr.LayoutInvariant(micro_batches=4)
+    strategy = cr.MirroredStrategy(num_replicas=4, layout_invariant=layout)
+    plain = cr.MirroredStrategy(num_replicas=4)
+
+    def draw(x):
+        return torch.rand(3) + 0 * x.sum()
+
+    xs = torch.zeros(8, 2)
+    for s in (strategy, plain):
+        torch.manual_seed(3)
+        out = s.run(draw, args=(next(iter(s.distribute_dataset([xs]))),))
+        if s is strategy:
+            got = s.experimental_local_results(out)
+        else:
+            want = s.experimental_local_results(out)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_results_combine_by_the_rule():
+    layout = cr.LayoutInvariant(micro_batches=4, results="concat")
+    strategy = cr.MirroredStrategy(num_replicas=2, layout_invariant=layout)
+    x = torch.arange(8.0)
+    out = strategy.run(lambda t: t * 2, args=(next(iter(strategy.distribute_dataset([x]))),))
+    assert torch.equal(torch.cat(strategy.experimental_local_results(out)), x * 2)
+    summed = cr.MirroredStrategy(num_replicas=2, layout_invariant=cr.LayoutInvariant(4, results="sum"))
+    out = summed.run(lambda t: t.sum(), args=(next(iter(summed.distribute_dataset([x]))),))
+    assert [v.item() for v in summed.experimental_local_results(out)] == [6.0, 22.0]
+
+
+def test_runs_without_rows_run_once_per_replica():
+    strategy = cr.MirroredStrategy(num_replicas=2, layout_invariant=LAYOUT)
+    calls = strategy.run(lambda: cr.get_replica_context().replica_id_in_sync_group)
+    assert strategy.experimental_local_results(calls) == (0, 1)
+
+
+# ---------------------------------------------------------------------------- refusals
+
+
+def test_bad_layouts_are_refused():
+    with pytest.raises(ValueError, match="replica count must divide micro_batches"):
+        cr.MirroredStrategy(num_replicas=3, layout_invariant=cr.LayoutInvariant(micro_batches=8))
+    with pytest.raises(TypeError, match="layout_invariant must be a cr.LayoutInvariant"):
+        cr.MirroredStrategy(num_replicas=2, layout_invariant=8)
+    with pytest.raises(ValueError, match="micro_batches"):
+        cr.LayoutInvariant(micro_batches=0)
+    with pytest.raises(ValueError, match="results must be one of"):
+        cr.LayoutInvariant(micro_batches=2, results="median")
+
+
+def test_a_split_other_than_the_micro_batches_is_refused():
+    strategy = cr.MirroredStrategy(num_replicas=2, layout_invariant=cr.LayoutInvariant(micro_batches=4))
+    x = cr.PerReplica([torch.zeros(3, 2), torch.zeros(3, 2)])  # 6 rows: the split gives 4 and 2
+    with pytest.raises(ValueError, match="got 3 rows of a global batch of 6"):
+        strategy.run(lambda t: t, args=(x,))
+    assert cr.replica_share(6, 4, 2) == [4, 2]
+
+
+def _sync_bn_step(model, batch):
+    return model(batch)
+
+
+def test_sync_batch_norm_and_grad_scaler_and_closures_are_refused():
+    strategy = cr.MirroredStrategy(num_replicas=2, layout_invariant=cr.LayoutInvariant(micro_batches=2))
+    model = strategy.mirror(cr.nn.SyncBatchNorm(4))
+    batch = next(iter(strategy.distribute_dataset([torch.randn(4, 4)])))
+    with pytest.raises(ValueError, match="SyncBatchNorm cannot train in the layout-invariant mode"):
+        strategy.run(_sync_bn_step, args=(model, batch))
+
+    net = strategy.mirror(nn.Linear(4, 1))
+    opts = strategy.run(lambda m: cr.CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.1)), args=(net,))
+
+    def with_closure(m, o, x):
+        def closure():
+            o.zero_grad()
+            loss = m(x).sum()
+            loss.backward()
+            return loss
+        return o.step(closure)
+
+    with pytest.raises(ValueError, match="closure"):
+        strategy.run(with_closure, args=(net, opts, batch))
+
+    def with_scaler(m, o, x):
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(m(x).sum()).backward()
+        scaler.step(o)
+
+    with pytest.raises(ValueError, match="GradScaler cannot be used in the layout-invariant mode"):
+        strategy.run(with_scaler, args=(net, opts, batch))
+
+
+# ---------------------------------------------------------------------------- processes (the CLI)
+
+
+def _cli(tmp_path, name, *args, torchrun=None):
+    from harness import REPO, subprocess_env
+
+    from crossreplica.testing import free_port
+
+    out = tmp_path / f"{name}.pt"
+    train = ["-m", "crossreplica.cli", "train", "--layout-invariant", "--epochs", "1", "--no-progress",
+             "--no-compare", "--dropout", "0.1", "--save-params", str(out), *args]
+    cmd = [sys.executable, *train]
+    if torchrun is not None:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={torchrun}",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", *train,
+               "--strategy", "multi_worker"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        text, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    assert proc.returncode == 0, text
+    return torch.load(out)
+
+
+@pytest.mark.multiprocess
+def test_cli_save_params_bitwise_across_processes_and_hierarchical(tmp_path):
+    reference = _cli(tmp_path, "one", "--strategy", "one_device")
+    _assert_same(reference, _cli(tmp_path, "threads", "--replicas", "4"))
+    _assert_same(reference, _cli(tmp_path, "procs", torchrun=2))
+    _assert_same(reference, _cli(tmp_path, "hier", "--replicas-per-worker", "2", torchrun=2))
