@@ -201,7 +201,9 @@ class PendingGradients:
             g = g.detach()
             if g.dtype in (torch.float16, torch.bfloat16):
                 g = g.float()
-            value = g.clone() if weight is None else g * weight
+            # The gradient itself is taken (.grad is cleared below, so the next backward makes a new one).
+            # A micro-batch of weight 0 (no rows) adds exact zeros: 0 * nan would be nan.
+            value = g if weight is None else (g * weight if weight else torch.zeros_like(g))
             stack = sums.grads.get(id(p))
             if stack is None:
                 stack = sums.grads[id(p)] = TreeStack()

@@ -96,6 +96,7 @@ class _Encoder(nn.Module):
 
 
 MODELS = {"mlp": (_Net, (8,)), "encoder": (_Encoder, (6, 4))}
+PLAIN_MLP = {"plain_mlp": (lambda: _Net(bn=False), (8,))}
 OPTIMIZERS = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2),
@@ -131,7 +132,7 @@ def _accumulate(model, batch):
 
 def _train(strategy, model_name="mlp", optimizer="adamw", steps=6, batch=48, weighted=False, accumulate=1,
            overlap=False):
-    make, shape = MODELS[model_name]
+    make, shape = {**MODELS, **PLAIN_MLP}[model_name]
     torch.manual_seed(0)
     model = strategy.mirror(make())
     opts = strategy.run(lambda m: cr.CrossShardOptimizer(OPTIMIZERS[optimizer](m.parameters()), overlap=overlap),
@@ -314,3 +315,74 @@ def test_cli_save_params_bitwise_across_processes_and_hierarchical(tmp_path):
     _assert_same(reference, _cli(tmp_path, "threads", "--replicas", "4"))
     _assert_same(reference, _cli(tmp_path, "procs", torchrun=2))
     _assert_same(reference, _cli(tmp_path, "hier", "--replicas-per-worker", "2", torchrun=2))
+
+
+def _eval(model, batch):
+    x, _ = batch
+    model.eval()
+    try:
+        with torch.no_grad():
+            return model(x).sum()
+    finally:
+        model.train()
+
+
+def test_a_run_that_changes_no_buffer_leaves_them_bitwise():
+    strategy = cr.MirroredStrategy(num_replicas=2, layout_invariant=LAYOUT)
+    _train(strategy)  # running statistics away from their initial values
+    model = strategy.mirror(_Net())
+    for m in strategy.experimental_local_results(model):
+        m.bn.running_var.copy_(torch.linspace(0.3, 3.7, 32))  # 24 * x / 24 would round some of these
+    before = {k: v.clone() for k, v in strategy.experimental_local_results(model)[0].state_dict().items()}
+    strategy.run(_eval, args=(model, next(iter(strategy.distribute_dataset(_batches((8,), 1, 48))))))
+    _assert_same(before, strategy.experimental_local_results(model)[0].state_dict())
+
+
+def _local(values):
+    return values[cr.get_replica_context()._local_index]
+
+
+def _run_steps_train(strategy, per_dispatch):
+    torch.manual_seed(0)
+    model = strategy.mirror(_Net())
+    opts = strategy.run(lambda m: cr.CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.1)), args=(model,))
+    torch.manual_seed(5)
+    it = iter(strategy.distribute_dataset(_batches((8,), 6, 48)))
+    models, optims = strategy.experimental_local_results(model), strategy.experimental_local_results(opts)
+    for _ in range(6 // per_dispatch):
+        strategy.experimental_run_steps(lambda b: _step(_local(models), _local(optims), b, False), it, per_dispatch)
+    return {k: v.clone() for k, v in strategy.experimental_local_results(model)[0].state_dict().items()}
+
+
+def test_experimental_run_steps_is_one_micro_batched_run_per_step():
+    ref = _run_steps_train(cr.OneDeviceStrategy(layout_invariant=LAYOUT), 1)
+    _assert_same(ref, _run_steps_train(cr.MirroredStrategy(num_replicas=4, layout_invariant=LAYOUT), 3))
+
+
+def test_micro_batches_without_rows_add_nothing():
+    # 6 rows, 8 micro-batches: two are empty; weighted by rows they contribute exact zeros
+    layout = cr.LayoutInvariant(micro_batches=8)
+    ref = _train(cr.OneDeviceStrategy(layout_invariant=layout), "plain_mlp", "sgd", steps=2, batch=6, weighted=True)
+    got = _train(cr.MirroredStrategy(num_replicas=4, layout_invariant=layout), "plain_mlp", "sgd", steps=2, batch=6,
+                 weighted=True)
+    _assert_same(ref, got)
+    assert all(torch.isfinite(v).all() for v in ref.values() if v.is_floating_point())
+
+
+def _worker_train(strategy, model_name, optimizer):
+    from crossreplica.micro_batches import check_layout
+
+    # The pool's strategy, switched to the mode as its constructor argument would.
+    strategy.extended.layout_invariant = check_layout(LAYOUT, strategy.num_replicas_in_sync)
+    return _train(strategy, model_name, optimizer, steps=3)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("model_name,optimizer", [("mlp", "adamw"), ("encoder", "sgd")])
+@pytest.mark.parametrize("workers,per_worker", [(2, 1), (2, 2)], ids=["2x1", "2x2"])
+def test_bitwise_on_processes_and_hierarchical(model_name, optimizer, workers, per_worker):
+    from crossreplica.testing import run_workers
+
+    reference = _train(cr.OneDeviceStrategy(layout_invariant=LAYOUT), model_name, optimizer, steps=3)
+    for got in run_workers(_worker_train, workers, per_worker, args=(model_name, optimizer)):
+        _assert_same(reference, got)

@@ -86,6 +86,7 @@ class MicroBatchedRun:
         params = _unique(p for m in self.modules(i) for p in m.parameters() if p.requires_grad)
         buffers = _unique(b for m in modules for b in m.buffers())
         start = [b.detach().clone() for b in buffers]
+        start_widened = [_widen(b) for b in buffers]
         stack = TreeStack()
         pending = self.pending[i]
         outs = []
@@ -108,19 +109,20 @@ class MicroBatchedRun:
             finally:
                 rctx.micro_batch = None
             pending.fold(mb, params)
-            if buffers:
-                stack.push(m, [_widen(b) for b in buffers])
+            if buffers:  # what the micro-batch changed: a buffer it left alone adds exact zeros
+                stack.push(m, [_widen(b) - w for b, w in zip(buffers, start_widened)])
         if pending.stepped_run == self.run:
             pending.clear()  # what no optimizer stepped is dropped, as zero_grad would
         if buffers:
-            self._combine_buffers(buffers, stack)
+            self._combine_buffers(buffers, start_widened, stack)
         return _combine(outs, self.layout.results, sizes)
 
-    def _combine_buffers(self, buffers: list[torch.Tensor], stack: TreeStack) -> None:
-        """Every buffer := the tree mean over the micro-batches (same on every replica)."""
+    def _combine_buffers(self, buffers: list[torch.Tensor], start: list[torch.Tensor], stack: TreeStack) -> None:
+        """Every buffer := its value at the start of the run + the tree mean over the micro-batches
+        of what each changed (the same on every replica; a buffer no micro-batch changed keeps
+        its bytes)."""
         flats: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-        widened = [_widen(b) for b in buffers]
-        for idx, w in enumerate(widened):
+        for idx, w in enumerate(start):
             flats.setdefault((w.dtype, w.device), []).append(idx)
         nodes = stack.nodes
         for (dtype, _), members in flats.items():
@@ -134,7 +136,7 @@ class MicroBatchedRun:
                 mean = (piece / self.layout.micro_batches if dtype.is_floating_point or dtype.is_complex
                         else torch.div(piece, self.layout.micro_batches, rounding_mode="floor"))
                 with torch.no_grad():
-                    b.copy_(mean)
+                    b.copy_(start[idx] + mean)
 
 
 def _widen(b: torch.Tensor) -> torch.Tensor:

@@ -180,4 +180,9 @@ def run_steps(strategy: "Strategy", fn: Callable[[Any], Any], iterator: Any, ste
             break
     if not elements:
         raise StopIteration
+    if strategy.extended.layout_invariant is not None:
+        # Each step is its own micro-batched run (one dispatch would cut every step's rows at once).
+        for element in elements:
+            out = strategy.run(fn, args=(element,))
+        return out
     return strategy.run(_loop, args=(fn, elements))
