@@ -9,11 +9,12 @@ and a transformer encoder (dropout, AdamW) for ``--steps`` steps on one device,
 (torchrun), all with ``cr.LayoutInvariant(micro_batches=24)``, and checks that
 every final state_dict is bitwise the one-device one.
 
-Part 2 times a training step of the encoder side by side, default mode vs the
-layout-invariant mode on the same replicas, with one micro-batch per replica
-(``M = R``: the mode's own cost, the tree-sum gather and the bookkeeping) and
-with 24 (smaller micro-batches, the price of supporting 1..24 replicas), each in
-a fresh process, and reports the median step and the process's peak RSS.
+Part 2 times a training step of the encoder side by side (every mode's step in
+turn, in one process), default mode vs the layout-invariant mode on the same
+replicas: with one micro-batch per replica (``M = R``: the mode's own cost, the
+tree sum and the bookkeeping; the tree sum gathered, sharded, or chosen by
+size) and with 24 (smaller micro-batches, the price of supporting 1..24
+replicas); and the peak RSS of a fresh process per mode.
 """
 
 from __future__ import annotations
@@ -165,34 +166,73 @@ def part1(steps: int) -> bool:
     return ok
 
 
+MODES = ("default", "M=R", "M=R gathered", "M=R sharded", f"M={M}")
+
+
+def _layout_of(mode: str, replicas: int) -> cr.LayoutInvariant | None:
+    if mode == "default":
+        return None
+    return cr.LayoutInvariant(replicas if mode.startswith("M=R") else M)
+
+
+def _sharded_of(mode: str) -> bool | None:
+    return {"M=R gathered": False, "M=R sharded": True}.get(mode)
+
+
 def part2(reps: int, steps: int) -> None:
-    print(f"\n## Step time and memory, encoder, default vs layout-invariant (median of {reps} runs of "
-          f"{steps} steps, fresh process each, OMP_NUM_THREADS=1)\n")
+    print(f"\n## Step time and memory, encoder, default vs layout-invariant ({steps} steps of every mode in "
+          f"turn in one process, median step; peak RSS of a fresh process per mode, median of {reps}; "
+          f"OMP_NUM_THREADS=1)\n")
     rows = []
     for replicas in (1, 2, 4):
         kind = "one_device" if replicas == 1 else "mirrored"
-        results = {}
-        for mode in ("default", f"M={replicas}", f"M={M}"):
-            step, rss = [], []
-            for _ in range(reps):
-                out = _launch([sys.executable, os.path.join(HERE, "layout_invariance.py"), "--measure", mode,
-                               "--kind", kind, "--replicas", str(replicas), "--steps", str(steps)])
-                got = json.loads(out.strip().splitlines()[-1])
-                step.append(got["step"])
-                rss.append(got["rss"])
-            results[mode] = (median(step), median(rss))
-        base = results["default"][0]
-        for mode, (step, rss) in results.items():
-            rows.append([f"{replicas}", mode, fmt_time(step), f"{step / base:.2f}x", f"{rss:.0f} MiB"])
+        out = _launch([sys.executable, os.path.join(HERE, "layout_invariance.py"), "--side-by-side", kind,
+                       "--replicas", str(replicas), "--steps", str(steps)])
+        steps_of = json.loads(out.strip().splitlines()[-1])
+        for mode in MODES:
+            rss = median([json.loads(_launch([sys.executable, os.path.join(HERE, "layout_invariance.py"),
+                                               "--measure", mode, "--kind", kind, "--replicas", str(replicas),
+                                               "--steps", "10"]).strip().splitlines()[-1])["rss"]
+                          for _ in range(reps)])
+            rows.append([f"{replicas}", mode, fmt_time(steps_of[mode]), f"{steps_of[mode] / steps_of['default']:.2f}x",
+                         f"{rss:.0f} MiB"])
     print_table(["replicas", "mode", "median step", "vs default", "peak RSS"], rows)
 
 
-def _measure(mode: str, kind: str, replicas: int, steps: int) -> None:
+def _side_by_side(kind: str, replicas: int, steps: int) -> None:
+    """Every mode's step in turn, so drifting load hits them alike."""
+    import crossreplica.collectives.tree as tree
     torch.set_num_threads(1)
-    layout = None if mode == "default" else cr.LayoutInvariant(int(mode.split("=")[1]))
-    _, times = train_encoder(make_strategy(kind, replicas, layout), steps)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(steps * BATCH, 12, 8, generator=g)
+    y = torch.randint(0, 4, (steps * BATCH,), generator=g)
+    batches = [(x[i:i + BATCH], y[i:i + BATCH]) for i in range(0, len(x), BATCH)]
+    runs = {}
+    for mode in MODES:
+        strategy = make_strategy(kind, replicas, _layout_of(mode, replicas))
+        torch.manual_seed(0)
+        model = strategy.mirror(Encoder())
+        opts = strategy.run(lambda m: cr.CrossShardOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3)),
+                            args=(model,))
+        runs[mode] = (strategy, model, opts, iter(strategy.distribute_dataset(batches)))
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for _ in range(steps):
+        for mode, (strategy, model, opts, it) in runs.items():
+            tree.SHARDED = _sharded_of(mode)
+            batch = next(it)
+            t0 = time.perf_counter()
+            strategy.run(_step, args=(model, opts, batch))
+            times[mode].append(time.perf_counter() - t0)
+    print(json.dumps({mode: median(ts[3:]) for mode, ts in times.items()}))
+
+
+def _measure(mode: str, kind: str, replicas: int, steps: int) -> None:
+    import crossreplica.collectives.tree as tree
+    torch.set_num_threads(1)
+    tree.SHARDED = _sharded_of(mode)
+    _, times = train_encoder(make_strategy(kind, replicas, _layout_of(mode, replicas)), steps)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"step": median(times[5:]), "rss": rss}))
+    print(json.dumps({"step": median(times[3:]), "rss": rss}))
 
 
 def main() -> int:
@@ -201,6 +241,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3, help="fresh processes per timed mode (median)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--measure", help=argparse.SUPPRESS)
+    parser.add_argument("--side-by-side", help=argparse.SUPPRESS)
     parser.add_argument("--kind", help=argparse.SUPPRESS)
     parser.add_argument("--replicas", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -210,6 +251,9 @@ def main() -> int:
         params, _ = train_encoder(strategy, args.steps)
         if strategy.extended.input_pipeline_id == 0:
             torch.save(params, args.out)
+        return 0
+    if args.side_by_side:
+        _side_by_side(args.side_by_side, args.replicas, args.steps)
         return 0
     if args.measure:
         _measure(args.measure, args.kind, args.replicas, args.steps)

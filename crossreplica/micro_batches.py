@@ -171,6 +171,8 @@ class PendingGradients:
         self.runs: list[_RunSums] = []
         self._folded: dict[int, tuple[int, int]] = {}  # id(param) -> (run, micro-batch) last folded
         self.stepped_run: int | None = None  # the last run in which an optimizer stepped
+        #: ``(micro-batch, closure, random stream)`` of the run's ``step(closure)`` calls so far
+        self.closures: list[tuple[MicroBatch, Any, Any]] = []
 
     def _sums(self, mb: MicroBatch) -> _RunSums:
         if not self.runs or self.runs[-1].run != mb.run:
@@ -214,6 +216,11 @@ class PendingGradients:
             nodes = sums.weights.nodes
             if not nodes or nodes[-1][0][1] <= mb.index:
                 sums.push(sums.weights, mb.index, torch.tensor(weight, dtype=torch.float64))
+
+    def mark_folded(self, mb: MicroBatch, params: list[torch.Tensor]) -> None:
+        """Records ``params`` as folded for ``mb`` (their ``.grad`` is the step's, not the micro-batch's)."""
+        for p in params:
+            self._folded[id(p)] = (mb.run, mb.index)
 
     def node_value(self, sums: _RunSums, stack: TreeStack, j: int) -> torch.Tensor:
         """Node ``j`` of a parameter's complete stack in run ``sums``."""

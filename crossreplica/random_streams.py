@@ -51,7 +51,7 @@ import torch
 
 from . import torch_private as tp
 
-__all__ = ["ReplicaStream", "checkpoint_context_fn", "draw_base", "entered", "replica_generator",
+__all__ = ["ReplicaStream", "checkpoint_context_fn", "current_stream", "draw_base", "entered", "replica_generator",
            "replica_seed", "replica_stream", "suspended"]
 
 #: Upper bound (exclusive) of the per-run draw ``base``.
@@ -130,16 +130,23 @@ def draw_base() -> int:
 
 
 @contextlib.contextmanager
-def entered(seed: int) -> Iterator[ReplicaStream]:
-    """Runs the body on a fresh stream seeded with ``seed`` (in this thread only)."""
+def entered(seed: int | ReplicaStream) -> Iterator[ReplicaStream]:
+    """Runs the body on a fresh stream seeded with ``seed`` (in this thread only), or on
+    the stream given, where its draws left off."""
     _install()
-    stream, saved = ReplicaStream(seed), _local.stream
+    stream = seed if isinstance(seed, ReplicaStream) else ReplicaStream(seed)
+    saved = _local.stream
     _local.stream = stream
     try:
         with tp.IncludeDispatchKeyGuard(KEY):
             yield stream
     finally:
         _local.stream = saved
+
+
+def current_stream() -> ReplicaStream | None:
+    """The stream draws in this thread come from (None: torch's default generators)."""
+    return _local.stream
 
 
 def replica_stream(base: int | None, replica_id: int) -> contextlib.AbstractContextManager[Any]:

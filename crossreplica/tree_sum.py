@@ -94,7 +94,8 @@ class TreeStack:
             if node[1] - node[0] != size or lo % (2 * size):
                 break
             self._stack.pop()
-            torch._foreach_add_(left, acc)  # left + right, in place in the left half's buffers
+            for a, b in zip(left, acc):  # left + right, in place in the left half's buffers
+                a.add_(b)
             node, acc = (lo, node[1]), left
         self._stack.append((node, acc))
 

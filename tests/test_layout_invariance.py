@@ -251,7 +251,7 @@ def _sync_bn_step(model, batch):
     return model(batch)
 
 
-def test_sync_batch_norm_and_grad_scaler_and_closures_are_refused():
+def test_sync_batch_norm_and_grad_scaler_are_refused():
     strategy = cr.MirroredStrategy(num_replicas=2, layout_invariant=cr.LayoutInvariant(micro_batches=2))
     model = strategy.mirror(cr.nn.SyncBatchNorm(4))
     batch = next(iter(strategy.distribute_dataset([torch.randn(4, 4)])))
@@ -260,17 +260,6 @@ def test_sync_batch_norm_and_grad_scaler_and_closures_are_refused():
 
     net = strategy.mirror(nn.Linear(4, 1))
     opts = strategy.run(lambda m: cr.CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.1)), args=(net,))
-
-    def with_closure(m, o, x):
-        def closure():
-            o.zero_grad()
-            loss = m(x).sum()
-            loss.backward()
-            return loss
-        return o.step(closure)
-
-    with pytest.raises(ValueError, match="closure"):
-        strategy.run(with_closure, args=(net, opts, batch))
 
     def with_scaler(m, o, x):
         scaler = torch.amp.GradScaler("cpu")
@@ -342,6 +331,39 @@ def _local(values):
     return values[cr.get_replica_context()._local_index]
 
 
+def _lbfgs_step(model, opt, batch):
+    x, y = batch
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    return opt.step(closure)
+
+
+def _train_lbfgs(strategy):
+    torch.manual_seed(0)
+    model = strategy.mirror(_Net(bn=False))
+    opts = strategy.run(lambda m: cr.CrossShardOptimizer(torch.optim.LBFGS(m.parameters(), lr=0.5, max_iter=4)),
+                        args=(model,))
+    torch.manual_seed(5)
+    losses = [strategy.run(_lbfgs_step, args=(model, opts, b))
+              for b in strategy.distribute_dataset(_batches((8,), 3, 48))]
+    return ({k: v.clone() for k, v in strategy.experimental_local_results(model)[0].state_dict().items()},
+            [strategy.experimental_local_results(loss)[0] for loss in losses])
+
+
+def test_lbfgs_closures_of_every_micro_batch():
+    # the closure draws dropout masks: each micro-batch's evaluations continue its own stream
+    (ref, ref_losses) = _train_lbfgs(cr.OneDeviceStrategy(layout_invariant=LAYOUT))
+    for n in (2, 3):
+        params, losses = _train_lbfgs(cr.MirroredStrategy(num_replicas=n, layout_invariant=LAYOUT))
+        _assert_same(ref, params)
+        assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))  # the step's loss: the tree mean
+
+
 def _run_steps_train(strategy, per_dispatch):
     torch.manual_seed(0)
     model = strategy.mirror(_Net())
@@ -386,3 +408,13 @@ def test_bitwise_on_processes_and_hierarchical(model_name, optimizer, workers, p
     reference = _train(cr.OneDeviceStrategy(layout_invariant=LAYOUT), model_name, optimizer, steps=3)
     for got in run_workers(_worker_train, workers, per_worker, args=(model_name, optimizer)):
         _assert_same(reference, got)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["gathered", "sharded"])
+def test_both_forms_of_the_tree_sum(sharded, monkeypatch):
+    import crossreplica.collectives.tree as tree
+
+    reference = _train(cr.OneDeviceStrategy(layout_invariant=LAYOUT), "encoder")
+    monkeypatch.setattr(tree, "SHARDED", sharded)
+    for n in (3, 4):  # 3: uneven slices of the elements (padding)
+        _assert_same(reference, _train(cr.MirroredStrategy(num_replicas=n, layout_invariant=LAYOUT), "encoder"))

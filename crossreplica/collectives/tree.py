@@ -7,9 +7,12 @@ then adds them by the global tree: the same additions in the same order as one
 device holding all ``total`` summands, so the bits do not depend on ``R``. Every
 replica computes the (identical) result itself, which spares a broadcast.
 
-A ring all-reduce moves ``2 (R - 1) / R`` of a buffer per replica; this gather
-moves ``R - 1`` times the nodes, which is what keeps the order fixed. It is meant
-for the layout-invariant mode's one reduction per step.
+The tree is elementwise, so for large buffers the work is sharded instead: an
+``all_to_all`` gives each replica its slice of every replica's nodes, it adds its
+slice by the tree, and an ``all_gather`` joins the slices (about twice the nodes'
+bytes per replica, as a reduce-scatter and all-gather move, instead of ``R - 1``
+times). Both forms give the same bits; it is meant for the layout-invariant mode's
+one reduction per step.
 """
 
 from __future__ import annotations
@@ -18,9 +21,15 @@ import torch
 
 from ..context import require_replica_context
 from ..tree_sum import Node, tree_combine, tree_nodes
-from .api import all_gather
+from .api import all_gather, all_to_all
 
-__all__ = ["replica_nodes", "tree_all_sum"]
+__all__ = ["SHARD_NUMEL", "replica_nodes", "tree_all_sum"]
+
+#: From this many elements per replica on, the sum is sharded (an all_to_all, each replica adds its
+#: slice of every replica's nodes, an all_gather of the slices) instead of a gather of every node.
+SHARD_NUMEL = 16 * 1024
+#: Forces one form (True: sharded, False: gathered) for benchmarks; None chooses by size.
+SHARDED: bool | None = None
 
 
 def replica_nodes(replica: int, num_replicas: int, total: int) -> list[Node]:
@@ -42,11 +51,28 @@ def tree_all_sum(nodes: list[tuple[Node, torch.Tensor]], total: int) -> torch.Te
                          f"the tree sum expects {layout[rid]}")
     if n == 1:
         return tree_combine(dict(nodes), total)
-    slots = max(len(nodes_r) for nodes_r in layout)
     like = nodes[0][1]
-    stacked = torch.zeros((slots, *like.shape), dtype=like.dtype, device=like.device)
+    slots = max(len(nodes_r) for nodes_r in layout)
+    sharded = SHARDED if SHARDED is not None else like.numel() >= SHARD_NUMEL * n
+    if not sharded:
+        gathered = all_gather(_stacked(nodes, slots, like.numel()), 0, tiled=False)  # [n, slots, numel]
+        found = {node: gathered[r, j] for r in range(n) for j, node in enumerate(layout[r])}
+        return tree_combine(found, total).view(like.shape)
+    # Each replica sums a slice of the elements (the tree is elementwise), then the slices meet.
+    chunk = -(-like.numel() // n)
+    stacked = _stacked(nodes, slots, chunk * n)  # [slots, n * chunk]
+    mine = all_to_all(stacked, 1, 0)  # [n * slots, chunk]: every replica's nodes, this replica's slice
+    found = {node: mine[r * slots + j] for r in range(n) for j, node in enumerate(layout[r])}
+    whole = all_gather(tree_combine(found, total), 0)  # [n * chunk]
+    return whole[:like.numel()].view(like.shape)
+
+
+def _stacked(nodes: list[tuple[Node, torch.Tensor]], slots: int, width: int) -> torch.Tensor:
+    """The nodes as rows of one ``[slots, width]`` buffer (zero padded)."""
+    like = nodes[0][1]
+    if len(nodes) == slots and width == like.numel() and slots == 1:
+        return like.reshape(1, -1)
+    out = torch.zeros((slots, width), dtype=like.dtype, device=like.device)
     for j, (_, value) in enumerate(nodes):
-        stacked[j].copy_(value)
-    gathered = all_gather(stacked, 0, tiled=False)  # [n, slots, ...]
-    found = {node: gathered[r, j] for r in range(n) for j, node in enumerate(layout[r])}
-    return tree_combine(found, total)
+        out[j, :value.numel()].copy_(value.reshape(-1))
+    return out

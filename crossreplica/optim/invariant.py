@@ -10,6 +10,8 @@ one device as on any number of replicas.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable
 
@@ -18,6 +20,7 @@ import torch
 from ..collectives.tree import tree_all_sum
 from ..errors import summarize
 from ..micro_batches import MicroBatch, PendingGradients
+from ..random_streams import current_stream, entered
 from ..reduce_op import ReduceOp
 from ..tree_sum import sequential_sum
 from .arguments import canonical_weight
@@ -31,23 +34,19 @@ __all__ = ["check_supported", "invariant_step", "synchronize"]
 _WIDENED = (torch.float16, torch.bfloat16)
 
 
-def check_supported(opt: "CrossShardOptimizer", closure: Callable[[], Any] | None) -> None:
+def check_supported(opt: "CrossShardOptimizer") -> None:
     """What the layout-invariant step does not do, as errors that say what to use instead."""
     if opt._group_assignment is not None:
         raise ValueError(
             f"CrossShardOptimizer(group_assignment={summarize(opt._group_assignment)}) cannot take a "
             f"layout-invariant step: the mode sums over every micro-batch of the global batch; leave "
             f"group_assignment out")
-    if closure is not None:
-        raise ValueError(
-            "CrossShardOptimizer.step(closure) is not supported in the layout-invariant mode (the closure "
-            "would re-evaluate only the last micro-batch); call loss.backward() and opt.step() without one")
 
 
 def synchronize(opt: "CrossShardOptimizer", mb: MicroBatch, weight: Any) -> bool:
     """Folds this micro-batch's gradients; in the replica's last micro-batch also combines
     every pending gradient into ``.grad``. Returns whether ``.grad`` now holds the step's."""
-    check_supported(opt, None)
+    check_supported(opt)
     params = _params(opt)
     w = None if weight is None else float(canonical_weight(weight))
     if w is not None and opt._reduction is not ReduceOp.MEAN:
@@ -64,7 +63,9 @@ def synchronize(opt: "CrossShardOptimizer", mb: MicroBatch, weight: Any) -> bool
 def invariant_step(opt: "CrossShardOptimizer", mb: MicroBatch, closure: Callable[[], Any] | None,
                    weight: Any) -> Any:
     """``opt.step()`` in micro-batch ``mb``: folds, and steps in the replica's last one."""
-    check_supported(opt, closure)
+    check_supported(opt)
+    if closure is not None:
+        return _closure_step(opt, mb, closure, weight)
     if opt._synchronized:
         opt._synchronized = False
     elif not synchronize(opt, mb, weight):
@@ -73,6 +74,46 @@ def invariant_step(opt: "CrossShardOptimizer", mb: MicroBatch, closure: Callable
         raise ValueError("shard_optimizer_state=True is not supported in the layout-invariant mode; every "
                          "replica steps the whole model (leave shard_optimizer_state out)")
     return opt._optimizer.step()
+
+
+def _closure_step(opt: "CrossShardOptimizer", mb: MicroBatch, closure: Callable[[], Any], weight: Any) -> Any:
+    """``step(closure)``: the closures of the replica's micro-batches are kept until its last one,
+    where the wrapped optimizer steps with one closure that evaluates them all, each under its
+    micro-batch's random stream, and returns the tree mean (or sum) of their losses with the
+    gradients combined as ``step()`` combines them; LBFGS may call it several times."""
+    if weight is not None:
+        raise ValueError(f"weight={summarize(weight)} cannot be used with a closure in the layout-invariant "
+                         f"mode; return the micro-batch's mean loss from the closure")
+    if opt._sharded is not None:
+        raise ValueError("shard_optimizer_state=True is not supported in the layout-invariant mode; every "
+                         "replica steps the whole model (leave shard_optimizer_state out)")
+    pending = mb.pending
+    if pending.closures and pending.closures[0][0].run != mb.run:
+        pending.closures.clear()
+    pending.closures.append((mb, closure, current_stream()))
+    if not mb.is_last:
+        return None
+    closures, params = list(pending.closures), _params(opt)
+    pending.closures.clear()
+    loss_holder = torch.zeros(1, dtype=torch.float64, device=params[0].device if params else "cpu")
+
+    def evaluate() -> Any:
+        sums = PendingGradients()
+        for mbj, cj, stream in closures:
+            with entered(stream) if stream is not None else contextlib.nullcontext(), torch.enable_grad():
+                loss = cj()
+            loss_holder.grad = torch.as_tensor(loss, dtype=torch.float64).detach().reshape(1).to(
+                loss_holder.device)
+            sums.fold(dataclasses.replace(mbj, pending=sums), [*params, loss_holder])
+        _combine(sums, [*params, loss_holder], opt._reduction)
+        total = loss_holder.grad
+        loss_holder.grad = None
+        return None if total is None else total[0].to(torch.get_default_dtype())
+
+    result = opt._optimizer.step(evaluate)
+    pending.mark_folded(mb, params)
+    pending.stepped_run = mb.run
+    return result
 
 
 def _params(opt: "CrossShardOptimizer") -> list[torch.Tensor]:
@@ -86,76 +127,82 @@ def _params(opt: "CrossShardOptimizer") -> list[torch.Tensor]:
 
 def _combine(pending: PendingGradients, params: list[torch.Tensor], reduction: ReduceOp) -> None:
     """Sets ``p.grad`` of every parameter to the tree sum of its pending gradients over
-    every replica and pending run (divided as ``reduction`` says); forgets them."""
+    every replica and pending run (divided as ``reduction`` says); forgets them.
+
+    One tree sum (one gather) per dtype: each node is the flat concatenation of the
+    parameters' partial sums, and the first float32/float64 group carries, after them,
+    the node's weight and a 1 for each parameter this replica has a gradient for (exact
+    counts in either dtype), so which parameters got a gradient anywhere and the total
+    weight come with the gradients."""
     runs = pending.runs
     if not runs:
         for p in params:
             p.grad = None
         return
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for p in params:
-        dtype = torch.float32 if p.dtype in _WIDENED else p.dtype
-        groups.setdefault((dtype, p.device), []).append(p)
-    totals: dict[int, torch.Tensor] = {}
-    for (dtype, device), members in groups.items():
-        per_run = []
-        for sums in runs:
-            nodes = sums.nodes()
-            flats = []
-            for j, node in enumerate(nodes):
-                parts = []
-                for p in members:
-                    stack = sums.grads.get(id(p))
-                    if stack is None:
-                        parts.append(torch.zeros(p.numel(), dtype=dtype, device=device))
-                    else:
-                        parts.append(pending.node_value(sums, stack, j).reshape(-1).to(dtype))
-                flats.append((node, torch.cat(parts) if len(parts) > 1 else parts[0]))
-            per_run.append(tree_all_sum(flats, sums.total))
-        total = sequential_sum(per_run)
-        offset = 0
-        for p in members:
-            totals[id(p)] = total[offset:offset + p.numel()].view(p.shape)
-            offset += p.numel()
-    present, weight = _meta(pending, params, runs)
-    if reduction is ReduceOp.MEAN:
-        if weight is None:
-            divisor = float(runs[0].total)
-        else:
-            divisor = weight
-            if divisor <= 0:
-                raise ValueError(f"the micro-batches' weights sum to {divisor}; at least one micro-batch must "
-                                 f"pass weight > 0 (its row count)")
-    for p, here in zip(params, present):
-        if not here:
-            p.grad = None
-            continue
-        g = totals[id(p)]
-        if reduction is ReduceOp.MEAN:
-            g = g / divisor
-        p.grad = g.to(p.dtype)
-    pending.clear(params)
-
-
-def _meta(pending: PendingGradients, params: list[torch.Tensor], runs: list[Any]) -> tuple[list[bool], float | None]:
-    """Whether any replica has a gradient for each parameter, and the summed weights (None: unweighted),
-    from one more tree sum of a small float64 vector per node: [weight, presence...]."""
     weighted = {sums.weighted for sums in runs} - {None}
     if len(weighted) > 1:
         raise ValueError("CrossShardOptimizer.step got weight= in some runs of an accumulation and not in "
                          "others; pass weight= in every step or in none")
-    device = params[0].device if params else torch.device("cpu")
-    per_run = []
-    for sums in runs:
-        flats = []
-        for j, node in enumerate(sums.nodes()):
-            v = torch.zeros(1 + len(params), dtype=torch.float64, device=device)
-            if sums.weighted:
-                v[0] = pending.weight_value(sums, j)
-            if j == 0:
-                v[1:] = torch.tensor([float(id(p) in sums.grads) for p in params], dtype=torch.float64)
-            flats.append((node, v))
-        per_run.append(tree_all_sum(flats, sums.total))
-    meta = sequential_sum(per_run).tolist()
-    return [m > 0 for m in meta[1:]], (meta[0] if weighted == {True} else None)
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault((torch.float32 if p.dtype in _WIDENED else p.dtype, p.device), []).append(p)
+    carrier = next((key for key in groups if key[0] in (torch.float32, torch.float64)), None)
+    if carrier is not None:  # first: the others need its weights
+        groups = {carrier: groups.pop(carrier), **groups}
+    meta: list[float] | None = None
+    totals: dict[int, torch.Tensor] = {}
+    for key, members in groups.items():
+        dtype, device = key
+        per_run = []
+        for sums in runs:
+            flats = []
+            for j, node in enumerate(sums.nodes()):
+                parts = [torch.zeros(p.numel(), dtype=dtype, device=device) if (stack := sums.grads.get(id(p))) is None
+                         else pending.node_value(sums, stack, j).reshape(-1) for p in members]
+                if key == carrier:
+                    parts.append(_node_meta(pending, sums, j, params, dtype, device))
+                flats.append((node, torch.cat(parts) if len(parts) > 1 else parts[0]))
+            per_run.append(tree_all_sum(flats, sums.total))
+        total = sequential_sum(per_run)
+        if key == carrier:
+            size = 1 + len(params)
+            meta, total = total[-size:].tolist(), total[:-size]
+        if reduction is ReduceOp.MEAN:
+            if meta is None:  # no float32/float64 gradients to carry it
+                meta = _meta(pending, params, runs)
+            total = total.div_(_divisor(meta, weighted, runs))  # fresh buffers, or sums no one else holds
+        offset = 0
+        for p in members:
+            totals[id(p)] = total[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+    if meta is None:  # no float32/float64 gradients to carry it
+        meta = _meta(pending, params, runs)
+    for p, m in zip(params, meta[1:]):
+        p.grad = totals[id(p)].to(p.dtype) if m > 0 else None
+    pending.clear(params)
 
+
+def _divisor(meta: list[float], weighted: set[bool], runs: list[Any]) -> float:
+    """What the mean divides by: the summed weights, or the micro-batches per batch."""
+    divisor = meta[0] if weighted == {True} else float(runs[0].total)
+    if divisor <= 0:
+        raise ValueError(f"the micro-batches' weights sum to {divisor}; at least one micro-batch must "
+                         f"pass weight > 0 (its row count)")
+    return divisor
+
+
+def _node_meta(pending: PendingGradients, sums: Any, j: int, params: list[torch.Tensor], dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """Node ``j``'s ``[weight, presence...]``: the presence in the replica's first node only."""
+    values = [pending.weight_value(sums, j) if sums.weighted else 0.0]
+    values += [float(id(p) in sums.grads) if j == 0 else 0.0 for p in params]
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _meta(pending: PendingGradients, params: list[torch.Tensor], runs: list[Any]) -> list[float]:
+    """``[total weight, presence...]`` by a tree sum of its own (float64), for gradients of no
+    float32/float64 dtype."""
+    device = params[0].device if params else torch.device("cpu")
+    per_run = [tree_all_sum([(node, _node_meta(pending, sums, j, params, torch.float64, device))
+                             for j, node in enumerate(sums.nodes())], sums.total) for sums in runs]
+    return sequential_sum(per_run).tolist()
