@@ -182,7 +182,7 @@ def _combine(pending: PendingGradients, params: list[torch.Tensor], reduction: R
     pending.clear(params)
 
 
-def _divisor(meta: list[float], weighted: set[bool], runs: list[Any]) -> float:
+def _divisor(meta: list[float], weighted: set[bool | None], runs: list[Any]) -> float:
     """What the mean divides by: the summed weights, or the micro-batches per batch."""
     divisor = meta[0] if weighted == {True} else float(runs[0].total)
     if divisor <= 0:
