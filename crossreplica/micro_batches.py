@@ -33,8 +33,8 @@ from .arguments import check_int
 from .errors import summarize
 from .tree_sum import Node, TreeStack, tree_nodes
 
-__all__ = ["LayoutInvariant", "MicroBatch", "PendingGradients", "RESULTS", "check_layout", "micro_batch_sizes",
-           "replica_share"]
+__all__ = ["LayoutInvariant", "MicroBatch", "PendingGradients", "RESULTS", "check_layout", "leaf_value",
+           "micro_batch_sizes", "replica_share"]
 
 #: How a replica's results of its micro-batches become its result of the run.
 RESULTS = ("mean", "sum", "concat", "last")
@@ -124,6 +124,18 @@ class MicroBatch:
         return self.index == self.first + self.count - 1
 
 
+def leaf_value(g: torch.Tensor, weight: float | None) -> torch.Tensor:
+    """A micro-batch's gradient as it enters the tree: half floats in float32, times ``weight``;
+    a micro-batch of weight 0 (no rows) adds exact zeros (0 * nan would be nan)."""
+    if g.is_sparse:
+        raise ValueError("the layout-invariant mode does not support sparse gradients; use dense embeddings "
+                         "(sparse=False)")
+    g = g.detach()
+    if g.dtype in (torch.float16, torch.bfloat16):
+        g = g.float()
+    return g if weight is None else (g * weight if weight else torch.zeros_like(g))
+
+
 class _RunSums:
     """One run's partial sums on one replica: a tree stack per parameter and one of the weights."""
 
@@ -146,6 +158,21 @@ class _RunSums:
         for missing in range(nodes[-1][0][1] if nodes else self.first, index):
             stack.push(missing, [torch.zeros_like(value)])
         stack.push(index, [value])
+
+    def has(self, p: torch.Tensor) -> bool:
+        """Whether this replica has a gradient of ``p`` in the run."""
+        return id(p) in self.grads
+
+    def grad_node(self, p: torch.Tensor, j: int) -> torch.Tensor | None:
+        """Node ``j`` of ``p``'s partial sums (None: no gradient in the run)."""
+        stack = self.grads.get(id(p))
+        return None if stack is None else self.value(stack, j, stack.nodes[0][1][0])
+
+    def weight_node(self, j: int) -> float:
+        """Node ``j`` of the weights' partial sums (0 when unweighted)."""
+        if not self.weighted:
+            return 0.0
+        return float(self.value(self.weights, j, torch.zeros((), dtype=torch.float64)))
 
     def value(self, stack: TreeStack, j: int, like: torch.Tensor) -> torch.Tensor:
         """Node ``j`` of ``stack`` once the run is complete (zeros for the micro-batches left)."""
@@ -197,15 +224,8 @@ class PendingGradients:
             g = p.grad
             if g is None or self._folded.get(id(p)) == key:
                 continue
-            if g.is_sparse:
-                raise ValueError("the layout-invariant mode does not support sparse gradients; use dense "
-                                 "embeddings (sparse=False)")
-            g = g.detach()
-            if g.dtype in (torch.float16, torch.bfloat16):
-                g = g.float()
             # The gradient itself is taken (.grad is cleared below, so the next backward makes a new one).
-            # A micro-batch of weight 0 (no rows) adds exact zeros: 0 * nan would be nan.
-            value = g if weight is None else (g * weight if weight else torch.zeros_like(g))
+            value = leaf_value(g, weight)
             stack = sums.grads.get(id(p))
             if stack is None:
                 stack = sums.grads[id(p)] = TreeStack()
@@ -221,14 +241,6 @@ class PendingGradients:
         """Records ``params`` as folded for ``mb`` (their ``.grad`` is the step's, not the micro-batch's)."""
         for p in params:
             self._folded[id(p)] = (mb.run, mb.index)
-
-    def node_value(self, sums: _RunSums, stack: TreeStack, j: int) -> torch.Tensor:
-        """Node ``j`` of a parameter's complete stack in run ``sums``."""
-        return sums.value(stack, j, stack.nodes[0][1][0])
-
-    def weight_value(self, sums: _RunSums, j: int) -> float:
-        """Node ``j`` of run ``sums``' weights."""
-        return float(sums.value(sums.weights, j, torch.zeros((), dtype=torch.float64)))
 
     def clear(self, params: list[torch.Tensor] | None = None) -> None:
         """Forgets the pending sums (of ``params``; None: all)."""

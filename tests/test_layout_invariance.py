@@ -173,7 +173,7 @@ def test_every_optimizer_weighted_uneven_batches(optimizer):
     # 50 rows: micro-batches of 3 and 2 rows; weight= makes the mean exact by rows
     layout = cr.LayoutInvariant(micro_batches=8)
     ref = _train(cr.OneDeviceStrategy(layout_invariant=layout), optimizer=optimizer, batch=50, weighted=True)
-    for n in (2, 4):
+    for n in (2, 4, 8):  # 8: one micro-batch per replica, straight from .grad
         got = _train(cr.MirroredStrategy(num_replicas=n, layout_invariant=layout), optimizer=optimizer, batch=50,
                      weighted=True)
         _assert_same(ref, got)

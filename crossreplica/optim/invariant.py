@@ -13,16 +13,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Any
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ..collectives.tree import tree_all_sum
 from ..errors import summarize
-from ..micro_batches import MicroBatch, PendingGradients
+from ..micro_batches import MicroBatch, PendingGradients, leaf_value
 from ..random_streams import current_stream, entered
 from ..reduce_op import ReduceOp
-from ..tree_sum import sequential_sum
+from ..tree_sum import Node, sequential_sum
 from .arguments import canonical_weight
 
 if TYPE_CHECKING:
@@ -52,12 +52,43 @@ def synchronize(opt: "CrossShardOptimizer", mb: MicroBatch, weight: Any) -> bool
     if w is not None and opt._reduction is not ReduceOp.MEAN:
         raise ValueError(f"weight={summarize(weight)} is only used with reduction='mean'; this optimizer sums "
                          f"(reduction='sum'), so leave weight out")
-    mb.pending.fold(mb, params, w)
-    if not mb.is_last:
-        return False
-    _combine(mb.pending, params, opt._reduction)
-    mb.pending.stepped_run = mb.run
+    pending = mb.pending
+    if mb.count == 1 and not pending.runs:
+        # One micro-batch per replica and nothing accumulated: the gradients go from .grad
+        # straight into the tree sum (the same values a fold would push).
+        _combine([_Current(mb, params, w)], params, opt._reduction)
+    else:
+        pending.fold(mb, params, w)
+        if not mb.is_last:
+            return False
+        _combine(pending.runs, params, opt._reduction)
+        pending.clear(params)
+    pending.mark_folded(mb, params)
+    pending.stepped_run = mb.run
     return True
+
+
+class _Current:
+    """The partial sums of a run whose only micro-batch's gradients are still in ``.grad``
+    (a fold's view of them, without the fold)."""
+
+    def __init__(self, mb: MicroBatch, params: list[torch.Tensor], weight: float | None):
+        self.first, self.count, self.total = mb.first, 1, mb.total
+        self.weight = weight
+        self.weighted = weight is not None
+        self.leaves = {id(p): leaf_value(p.grad, weight) for p in params if p.grad is not None}
+
+    def nodes(self) -> list[Node]:
+        return [(self.first, self.first + 1)]
+
+    def has(self, p: torch.Tensor) -> bool:
+        return id(p) in self.leaves
+
+    def grad_node(self, p: torch.Tensor, j: int) -> torch.Tensor | None:
+        return self.leaves.get(id(p))
+
+    def weight_node(self, j: int) -> float:
+        return self.weight or 0.0
 
 
 def invariant_step(opt: "CrossShardOptimizer", mb: MicroBatch, closure: Callable[[], Any] | None,
@@ -105,7 +136,7 @@ def _closure_step(opt: "CrossShardOptimizer", mb: MicroBatch, closure: Callable[
             loss_holder.grad = torch.as_tensor(loss, dtype=torch.float64).detach().reshape(1).to(
                 loss_holder.device)
             sums.fold(dataclasses.replace(mbj, pending=sums), [*params, loss_holder])
-        _combine(sums, [*params, loss_holder], opt._reduction)
+        _combine(sums.runs, [*params, loss_holder], opt._reduction)
         total = loss_holder.grad
         loss_holder.grad = None
         return None if total is None else total[0].to(torch.get_default_dtype())
@@ -125,16 +156,16 @@ def _params(opt: "CrossShardOptimizer") -> list[torch.Tensor]:
     return list(seen.values())
 
 
-def _combine(pending: PendingGradients, params: list[torch.Tensor], reduction: ReduceOp) -> None:
+def _combine(runs: Sequence[Any], params: list[torch.Tensor], reduction: ReduceOp) -> None:
     """Sets ``p.grad`` of every parameter to the tree sum of its pending gradients over
-    every replica and pending run (divided as ``reduction`` says); forgets them.
+    every replica and pending run (divided as ``reduction`` says). ``runs`` give each
+    run's nodes (``nodes()``, ``grad_node(p, j)``, ``weight_node(j)``, ``has(p)``).
 
     One tree sum (one gather) per dtype: each node is the flat concatenation of the
     parameters' partial sums, and the first float32/float64 group carries, after them,
     the node's weight and a 1 for each parameter this replica has a gradient for (exact
     counts in either dtype), so which parameters got a gradient anywhere and the total
     weight come with the gradients."""
-    runs = pending.runs
     if not runs:
         for p in params:
             p.grad = None
@@ -157,10 +188,10 @@ def _combine(pending: PendingGradients, params: list[torch.Tensor], reduction: R
         for sums in runs:
             flats = []
             for j, node in enumerate(sums.nodes()):
-                parts = [torch.zeros(p.numel(), dtype=dtype, device=device) if (stack := sums.grads.get(id(p))) is None
-                         else pending.node_value(sums, stack, j).reshape(-1) for p in members]
+                parts = [torch.zeros(p.numel(), dtype=dtype, device=device) if (g := sums.grad_node(p, j)) is None
+                         else g.reshape(-1) for p in members]
                 if key == carrier:
-                    parts.append(_node_meta(pending, sums, j, params, dtype, device))
+                    parts.append(_node_meta(sums, j, params, dtype, device))
                 flats.append((node, torch.cat(parts) if len(parts) > 1 else parts[0]))
             per_run.append(tree_all_sum(flats, sums.total))
         total = sequential_sum(per_run)
@@ -169,20 +200,20 @@ def _combine(pending: PendingGradients, params: list[torch.Tensor], reduction: R
             meta, total = total[-size:].tolist(), total[:-size]
         if reduction is ReduceOp.MEAN:
             if meta is None:  # no float32/float64 gradients to carry it
-                meta = _meta(pending, params, runs)
+                meta = _meta(params, runs)
             total = total.div_(_divisor(meta, weighted, runs))  # fresh buffers, or sums no one else holds
         offset = 0
         for p in members:
             totals[id(p)] = total[offset:offset + p.numel()].view(p.shape)
             offset += p.numel()
     if meta is None:  # no float32/float64 gradients to carry it
-        meta = _meta(pending, params, runs)
+        meta = _meta(params, runs)
     for p, m in zip(params, meta[1:]):
-        p.grad = totals[id(p)].to(p.dtype) if m > 0 else None
-    pending.clear(params)
+        g = totals[id(p)]
+        p.grad = (g if g.dtype == p.dtype else g.to(p.dtype)) if m > 0 else None
 
 
-def _divisor(meta: list[float], weighted: set[bool | None], runs: list[Any]) -> float:
+def _divisor(meta: list[float], weighted: set[bool | None], runs: Sequence[Any]) -> float:
     """What the mean divides by: the summed weights, or the micro-batches per batch."""
     divisor = meta[0] if weighted == {True} else float(runs[0].total)
     if divisor <= 0:
@@ -191,18 +222,17 @@ def _divisor(meta: list[float], weighted: set[bool | None], runs: list[Any]) -> 
     return divisor
 
 
-def _node_meta(pending: PendingGradients, sums: Any, j: int, params: list[torch.Tensor], dtype: torch.dtype,
+def _node_meta(sums: Any, j: int, params: list[torch.Tensor], dtype: torch.dtype,
                device: torch.device) -> torch.Tensor:
     """Node ``j``'s ``[weight, presence...]``: the presence in the replica's first node only."""
-    values = [pending.weight_value(sums, j) if sums.weighted else 0.0]
-    values += [float(id(p) in sums.grads) if j == 0 else 0.0 for p in params]
+    values = [sums.weight_node(j)] + [float(sums.has(p)) if j == 0 else 0.0 for p in params]
     return torch.tensor(values, dtype=dtype, device=device)
 
 
-def _meta(pending: PendingGradients, params: list[torch.Tensor], runs: list[Any]) -> list[float]:
+def _meta(params: list[torch.Tensor], runs: Sequence[Any]) -> list[float]:
     """``[total weight, presence...]`` by a tree sum of its own (float64), for gradients of no
     float32/float64 dtype."""
     device = params[0].device if params else torch.device("cpu")
-    per_run = [tree_all_sum([(node, _node_meta(pending, sums, j, params, torch.float64, device))
+    per_run = [tree_all_sum([(node, _node_meta(sums, j, params, torch.float64, device))
                              for j, node in enumerate(sums.nodes())], sums.total) for sums in runs]
     return sequential_sum(per_run).tolist()
