@@ -85,8 +85,7 @@ class MicroBatchedRun:
         modules = [m for m in self.modules(i) if any(mod.training for mod in m.modules())]
         params = _unique(p for m in self.modules(i) for p in m.parameters() if p.requires_grad)
         buffers = _unique(b for m in modules for b in m.buffers())
-        start = [b.detach().clone() for b in buffers]
-        start_widened = [_widen(b) for b in buffers]
+        start = [_widen(b) for b in buffers]  # exact copies (half floats and integers widened)
         stack = TreeStack()
         pending = self.pending[i]
         outs = []
@@ -94,8 +93,8 @@ class MicroBatchedRun:
         for j, n in enumerate(sizes):
             m = first + j
             if j:
-                for b, s in zip(buffers, start):
-                    b.copy_(s)
+                for b, w in zip(buffers, start):
+                    b.copy_(w)
             for p in params:
                 p.grad = None
             a, kw = _cut(self.args, self.kwargs, i, lo, n, rows)
@@ -110,12 +109,12 @@ class MicroBatchedRun:
                 rctx.micro_batch = None
             pending.fold(mb, params)
             if buffers:  # what the micro-batch changed: a buffer it left alone adds exact zeros
-                stack.push(m, [_widen(b) - w for b, w in zip(buffers, start_widened)])
+                stack.push(m, [_widen(b) - w for b, w in zip(buffers, start)])
         if pending.stepped_run == self.run:
             pending.clear()  # what no optimizer stepped is dropped, as zero_grad would
         if buffers:
-            self._combine_buffers(buffers, start_widened, stack)
-        return _combine(outs, self.layout.results, sizes)
+            self._combine_buffers(buffers, start, stack)
+        return _results(outs, self.layout.results)
 
     def _combine_buffers(self, buffers: list[torch.Tensor], start: list[torch.Tensor], stack: TreeStack) -> None:
         """Every buffer := its value at the start of the run + the tree mean over the micro-batches
@@ -196,7 +195,7 @@ def _narrow(x: Any, lo: int, n: int, rows: int) -> Any:
     return x
 
 
-def _combine(outs: list[Any], how: str, sizes: list[int]) -> Any:
+def _results(outs: list[Any], how: str) -> Any:
     """A replica's result of the run from its micro-batches' results (``LayoutInvariant.results``)."""
     if len(outs) == 1 or how == "last":
         return outs[-1]
