@@ -103,6 +103,12 @@ OPTIMIZERS = {
     "adam_foreach": lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True),
     "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3),
     "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2),
+    "adadelta": lambda p: torch.optim.Adadelta(p),
+    "adamax": lambda p: torch.optim.Adamax(p, lr=1e-2),
+    "nadam": lambda p: torch.optim.NAdam(p, lr=1e-2),
+    "radam": lambda p: torch.optim.RAdam(p, lr=1e-2),
+    "asgd": lambda p: torch.optim.ASGD(p, lr=1e-2),
+    "rprop": lambda p: torch.optim.Rprop(p, lr=1e-3),
 }
 
 
