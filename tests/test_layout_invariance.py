@@ -137,10 +137,10 @@ def _accumulate(model, batch):
 
 
 def _train(strategy, model_name="mlp", optimizer="adamw", steps=6, batch=48, weighted=False, accumulate=1,
-           overlap=False):
+           overlap=False, sync_buffers="broadcast"):
     make, shape = {**MODELS, **PLAIN_MLP}[model_name]
     torch.manual_seed(0)
-    model = strategy.mirror(make())
+    model = strategy.mirror(make(), sync_buffers=sync_buffers)
     opts = strategy.run(lambda m: cr.CrossShardOptimizer(OPTIMIZERS[optimizer](m.parameters()), overlap=overlap),
                         args=(model,))
     torch.manual_seed(5)
@@ -169,6 +169,10 @@ def test_bitwise_on_one_device_and_on_2_3_4_8_replicas(model_name):
     reference = _train(cr.OneDeviceStrategy(layout_invariant=LAYOUT), model_name)
     for n in (2, 3, 4, 8):
         _assert_same(reference, _train(cr.MirroredStrategy(num_replicas=n, layout_invariant=LAYOUT), model_name))
+    if model_name == "mlp":  # the mode combines the buffers itself, whatever the mirror's policy
+        for policy in ("mean", None):
+            _assert_same(reference, _train(cr.MirroredStrategy(num_replicas=3, layout_invariant=LAYOUT), model_name,
+                                           sync_buffers=policy))
     # the control: the default mode's layouts differ in the last bits (so the check above can fail)
     default = [_train(cr.MirroredStrategy(num_replicas=n), model_name) for n in (2, 4)]
     assert any(not torch.equal(default[0][k], default[1][k]) for k in default[0])

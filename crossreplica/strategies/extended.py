@@ -151,10 +151,11 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
         # The caller's thread-local torch state (grad mode, autocast, default device,
         # ...): each replica thread runs under it, as the caller's thread would.
         state = torch_state.capture()
-        buffer_sync = self.mirrored_buffers.for_run(self.num_replicas_in_sync, len(ids))
         # One draw from the caller's generator per run; replica i's stream is seeded from it and i.
         base = draw_base() if self.random_streams else None
         micro = self._micro_batched(args, kwargs, base)
+        # The layout-invariant mode combines the buffers itself (bitwise the same on every replica).
+        buffer_sync = self.mirrored_buffers.for_run(self.num_replicas_in_sync, len(ids)) if micro is None else None
         engine.begin_run()
 
         def body(i: int) -> Any:
@@ -170,7 +171,7 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
                             out = call()
                     else:
                         out = call()
-                if buffer_sync is not None and micro is None:
+                if buffer_sync is not None:
                     buffer_sync.sync(i)
             finally:
                 context.pop()
