@@ -137,7 +137,7 @@ def _accumulate(model, batch):
 
 
 def _train(strategy, model_name="mlp", optimizer="adamw", steps=6, batch=48, weighted=False, accumulate=1,
-           overlap=False, sync_buffers="broadcast"):
+           overlap=False, sync_buffers="broadcast", loader=False):
     make, shape = {**MODELS, **PLAIN_MLP}[model_name]
     torch.manual_seed(0)
     model = strategy.mirror(make(), sync_buffers=sync_buffers)
@@ -145,7 +145,11 @@ def _train(strategy, model_name="mlp", optimizer="adamw", steps=6, batch=48, wei
                         args=(model,))
     torch.manual_seed(5)
     losses = []
-    for i, b in enumerate(strategy.distribute_dataset(_batches(shape, steps, batch))):
+    source = _batches(shape, steps, batch)
+    if loader:  # across workers: sharded by index, each worker collating only its replicas' rows
+        x, y = torch.cat([b[0] for b in source]), torch.cat([b[1] for b in source])
+        source = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch)
+    for i, b in enumerate(strategy.distribute_dataset(source)):
         if (i + 1) % accumulate:
             strategy.run(_accumulate, args=(model, b))
         else:
@@ -401,22 +405,26 @@ def test_micro_batches_without_rows_add_nothing():
     assert all(torch.isfinite(v).all() for v in ref.values() if v.is_floating_point())
 
 
-def _worker_train(strategy, model_name, optimizer):
+def _worker_train(strategy, model_name, optimizer, loader):
     from crossreplica.micro_batches import check_layout
 
     # The pool's strategy, switched to the mode as its constructor argument would.
     strategy.extended.layout_invariant = check_layout(LAYOUT, strategy.num_replicas_in_sync)
-    return _train(strategy, model_name, optimizer, steps=3)
+    return _train(strategy, model_name, optimizer, steps=3, batch=50, loader=loader)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("model_name,optimizer", [("mlp", "adamw"), ("encoder", "sgd")])
+@pytest.mark.parametrize("model_name,optimizer,loader", [("mlp", "adamw", True), ("encoder", "sgd", False)],
+                         ids=["mlp-dataloader", "encoder-list"])
 @pytest.mark.parametrize("workers,per_worker", [(2, 1), (2, 2)], ids=["2x1", "2x2"])
-def test_bitwise_on_processes_and_hierarchical(model_name, optimizer, workers, per_worker):
+def test_bitwise_on_processes_and_hierarchical(model_name, optimizer, loader, workers, per_worker):
     from crossreplica.testing import run_workers
 
-    reference = _train(cr.OneDeviceStrategy(layout_invariant=LAYOUT), model_name, optimizer, steps=3)
-    for got in run_workers(_worker_train, workers, per_worker, args=(model_name, optimizer)):
+    # 50 rows in 24 micro-batches: uneven (3 and 2 rows), and uneven over the workers too
+    # (a DataLoader draws its seed from the caller's generator: the reference reads one too)
+    reference = _train(cr.OneDeviceStrategy(layout_invariant=LAYOUT), model_name, optimizer, steps=3, batch=50,
+                       loader=loader)
+    for got in run_workers(_worker_train, workers, per_worker, args=(model_name, optimizer, loader)):
         _assert_same(reference, got)
 
 
