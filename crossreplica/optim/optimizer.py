@@ -168,8 +168,19 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads into the wrapped optimizer (the wrapper's load hooks run around it)."""
+        """Loads into the wrapped optimizer (the wrapper's load hooks run around it).
+
+        The state tensors are copied: torch keeps a loaded tensor that already has
+        the parameter's dtype and device, so one ``torch.load``ed dict loaded into
+        every in-process replica's optimizer (the DDP resume idiom) would make the
+        replicas share and update the same moments and step counters.
+        """
         state_dict = state_dict.copy()  # as torch does: a pre hook may edit its copy
+        if isinstance(state_dict.get("state"), dict):
+            state_dict["state"] = {
+                key: ({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in value.items()}
+                      if isinstance(value, dict) else value)
+                for key, value in state_dict["state"].items()}
         for pre_hook in tp.optimizer_hooks(self, "load_state_dict_pre"):
             result = pre_hook(self, state_dict)
             if result is not None:
