@@ -218,3 +218,52 @@ def test_a_failing_replica_ends_the_chunk_and_releases_the_others():
     assert time.monotonic() - t0 < 30
     out = s.experimental_run_steps(fn, it, 4)  # the strategy runs on: element 4 was left
     assert [t.item() for t in s.experimental_local_results(out)] == [8.0, 8.0]
+
+
+
+def _dropout_train_step(models: cr.Mirrored, batch) -> torch.Tensor:
+    """One SGD step whose loss applies dropout (masks from the replica's random stream)."""
+    model = models.values[cr.get_replica_context().local_index]
+    x, y = batch
+    loss = ((torch.nn.functional.dropout(model(x), p=0.5, training=True) - y) ** 2).sum() / BATCH
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    with torch.no_grad():
+        for p, g in zip(model.parameters(), grads):
+            p -= LR * cr.all_reduce(g, "sum")
+    return loss.detach()
+
+
+def _dropout_main(strategy) -> dict:
+    """Dropout training one run per step and in chunks of 3: the weights and the caller's
+    next draw after all steps."""
+    results = {}
+    for per_dispatch in (0, 3):
+        torch.manual_seed(11)
+        models = strategy.mirror(_model())
+        step = functools.partial(_dropout_train_step, models)
+        it = iter(strategy.distribute_dataset(_batches()))
+        while True:
+            try:
+                if per_dispatch == 0:
+                    strategy.run(step, args=(next(it),))
+                else:
+                    strategy.experimental_run_steps(step, it, per_dispatch)
+            except StopIteration:
+                break
+        results[per_dispatch] = {
+            "weights": [[p.detach().clone() for p in m.parameters()]
+                        for m in strategy.experimental_local_results(models)],
+            "next_draw": torch.rand(4)}
+    return results
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_steps_per_dispatch_draw_as_one_run_per_step(layout):
+    """With dropout, chunks of steps train bitwise as one strategy.run per step and leave the
+    caller's generator where those runs leave it."""
+    for worker in run_main(_dropout_main, layout):
+        per_run, chunked = worker[0], worker[3]
+        assert torch.equal(per_run["next_draw"], chunked["next_draw"])
+        for a, b in zip(per_run["weights"], chunked["weights"]):
+            for p, q in zip(a, b):
+                assert torch.equal(p, q)

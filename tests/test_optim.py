@@ -507,3 +507,46 @@ def test_mismatched_gradients_across_replicas_raise_not_hang():
 
     with pytest.raises(cr.CollectiveMismatchError):
         s.run(body, args=(model,))
+
+
+def _resume_step(model, opt, x, y):
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def test_one_loaded_state_dict_in_every_replica_is_not_shared():
+    """The DDP resume idiom: one state dict loaded into each replica's optimizer trains
+    like one AdamW resumed from it on the whole batch (no shared moments or counters)."""
+    torch.manual_seed(3)
+    net = make_net()
+    warm = torch.optim.AdamW(net.parameters(), lr=0.01)
+    x0, y0 = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    F.cross_entropy(net(x0), y0).backward()
+    warm.step()
+    saved = warm.state_dict()
+    ref = copy.deepcopy(net)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    ref_opt.load_state_dict(copy.deepcopy(saved))
+    s = strategy(2)
+    model = s.mirror(net)
+
+    def build(m):
+        opt = CrossShardOptimizer(torch.optim.AdamW(m.parameters(), lr=0.01))
+        opt.load_state_dict(saved)
+        return opt
+
+    opts = s.run(build, args=(model,))
+    batches = [(torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(3)]
+    for x, y in batches:
+        s.run(_resume_step, args=(model, opts, split(x, 2), split(y, 2)))
+        _resume_step(ref, ref_opt, x, y)
+    local_opts = s.experimental_local_results(opts)
+    ref_steps = [float(st["step"]) for st in ref_opt.state.values()]
+    for opt in local_opts:
+        assert [float(st["step"]) for st in opt.state.values()] == ref_steps
+    a, b = (list(o.state.values()) for o in local_opts)
+    assert all(sa["exp_avg"].data_ptr() != sb["exp_avg"].data_ptr() for sa, sb in zip(a, b))
+    for m in s.experimental_local_results(model):
+        for p, q in zip(m.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -202,3 +202,39 @@ def test_write_errors_name_the_path_not_the_temp_file(tmp_path):
         assert ".crtmp-" not in str(info.value)
     finally:
         directory.chmod(0o700)
+
+
+def _plain_sgd_step(model, opt, x):
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("cross_shard", [False, True])
+def test_save_warns_when_mirrored_copies_differ(tmp_path, cross_shard):
+    """A plain torch.optim optimizer per replica trains each copy on its own shard: cr.save
+    (which keeps copy 0) warns and names the fix; with CrossShardOptimizer it is silent."""
+    import warnings
+
+    s = cr.MirroredStrategy(2, devices=["cpu"] * 2)
+    torch.manual_seed(0)
+    model = s.mirror(torch.nn.Linear(3, 2))
+
+    def build(m):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        return cr.CrossShardOptimizer(opt) if cross_shard else opt
+
+    opts = s.run(build, args=(model,))
+    x = torch.randn(4, 3)
+    s.run(_plain_sgd_step, args=(model, opts, cr.PerReplica(list(x.chunk(2)))))
+    copies = s.experimental_local_results(model)
+    same = all(torch.equal(p, q) for p, q in zip(copies[0].parameters(), copies[1].parameters()))
+    assert same == cross_shard
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cr.save(tmp_path / "ckpt.pt", {"model": model}, strategy=s)
+    messages = [str(w.message) for w in caught if "Mirrored" in str(w.message)]
+    if cross_shard:
+        assert messages == []
+    else:
+        assert len(messages) == 1 and "state['model']" in messages[0] and "CrossShardOptimizer" in messages[0]

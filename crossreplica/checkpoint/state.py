@@ -6,7 +6,8 @@ What each leaf of the nest given to ``cr.save`` becomes (the first rule that
 matches; :func:`kind` is the one place that decides, and restoring uses it too):
 
 * ``Mirrored``: replica 0's copy, walked (every copy is the same; on the chief
-  local replica 0 is global replica 0).
+  local replica 0 is global replica 0). Local copies that differ are a warning:
+  they were trained without a cross-replica reduction.
 * ``PerReplica``: every local replica's value, walked; then compared across
   all replicas (:mod:`.per_replica`): one value if they are all the same,
   else one value per replica.
@@ -28,6 +29,7 @@ The walk runs on every worker: a ``cr.Variable`` that aggregates when read
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -93,7 +95,10 @@ def capture(state: Any, strategy: Any, pending: list[Pending], path: tuple = ())
     ``pending`` (settled by :func:`.per_replica.settle`)."""
     k = kind(state)
     if k == MIRRORED:
-        return capture(state.values[0], strategy, pending, path)
+        first = capture(state.values[0], strategy, pending, path)
+        for i, other in enumerate(state.values[1:], 1):
+            _warn_if_differ(first, capture(other, strategy, [], path), path, i)
+        return first
     if k == PER_REPLICA:
         return _per_replica(state, strategy, pending, path)
     if k == TENSOR:
@@ -141,6 +146,31 @@ def _per_replica(value: PerReplica, strategy: Any, pending: list[Pending], path:
     entry = Pending(name, local)
     pending.append(entry)
     return entry
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two captured nests hold the same values (NaN equal to NaN)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and bool(torch.eq(a, b).logical_or(a.ne(a) & b.ne(b)).all()))
+    if nest.is_container(a) and nest.is_container(b) and type(a) is type(b):
+        (ka, va), (kb, vb) = nest.children(a), nest.children(b)
+        return list(ka) == list(kb) and all(_same(x, y) for x, y in zip(va, vb))
+    try:
+        return bool(a == b)
+    except Exception:  # values that do not compare (arrays...) count as the same
+        return True
+
+
+def _warn_if_differ(first: Any, other: Any, path: tuple, index: int) -> None:
+    """A Mirrored's copies must be the same; cr.save keeps copy 0, so say when they are not."""
+    if not _same(first, other):
+        warnings.warn(
+            f"cr.save: the copies of the Mirrored at {where('state', path)} differ (local copy {index} is not "
+            f"copy 0), and the checkpoint keeps copy 0 only. Mirrored copies drift apart when they are "
+            f"trained without a cross-replica reduction, e.g. a plain torch.optim optimizer stepping each "
+            f"copy on its own shard; wrap it as cr.CrossShardOptimizer(torch.optim....) (or all-reduce the "
+            f"gradients) so every copy takes the same step", UserWarning, stacklevel=2)
 
 
 def _state_dict_of(obj: Any) -> Any:

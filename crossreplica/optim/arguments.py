@@ -14,7 +14,7 @@ from ..arguments import check_number
 from ..errors import summarize
 from ..reduce_op import ReduceOp
 
-__all__ = ["DEFAULT_NAME", "canonical_name", "canonical_reduction", "canonical_weight", "loss_to_buffer",
+__all__ = ["DEFAULT_NAME", "canonical_name", "canonical_reduction", "canonical_weight", "loss_to_buffer", "own_state",
            "reduced_loss"]
 
 _VALID_REDUCTIONS = (ReduceOp.MEAN, ReduceOp.SUM)
@@ -79,3 +79,14 @@ def reduced_loss(loss: Any, reduced: torch.Tensor) -> Any:
     if isinstance(loss, torch.Tensor):
         return reduced.to(loss.device, loss.dtype).reshape(loss.shape)
     return float(reduced.item())
+
+
+def own_state(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A shallow copy of an optimizer state dict whose per-parameter state tensors are copies."""
+    state_dict = state_dict.copy()
+    if isinstance(state_dict.get("state"), dict):
+        state_dict["state"] = {
+            key: ({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in value.items()}
+                  if isinstance(value, dict) else value)
+            for key, value in state_dict["state"].items()}
+    return state_dict

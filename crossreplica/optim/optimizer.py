@@ -27,6 +27,7 @@ from .arguments import (
     canonical_reduction,
     canonical_weight,
     loss_to_buffer,
+    own_state,
     reduced_loss,
 )
 from .overlap import OverlappedReduction
@@ -169,8 +170,10 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads into the wrapped optimizer (the wrapper's load hooks run around it)."""
-        state_dict = state_dict.copy()  # as torch does: a pre hook may edit its copy
+        """Loads into the wrapped optimizer (the wrapper's load hooks run around it). The state
+        tensors are copied: torch keeps a loaded tensor of the right dtype and device, so one
+        dict loaded into every in-process replica (DDP's resume idiom) would be shared."""
+        state_dict = own_state(state_dict)  # a copy, as torch makes: a pre hook may edit it
         for pre_hook in tp.optimizer_hooks(self, "load_state_dict_pre"):
             result = pre_hook(self, state_dict)
             if result is not None:

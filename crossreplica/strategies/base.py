@@ -271,7 +271,8 @@ class Strategy(LogicalDeviceMethods, TFCompatMethods):
         ``iterator`` (an iterator over a distributed dataset) in one dispatch: each
         replica loops over its parts without returning between steps. Returns the
         last step's outputs, as ``run`` would; fewer steps when the iterator runs out,
-        ``StopIteration`` when it already has."""
+        ``StopIteration`` when it already has. Each step draws random numbers as its
+        own ``run`` would (one random base per step), so dropout trains the same."""
         return run_steps(self, fn, iterator, steps)
 
     def __repr__(self) -> str:

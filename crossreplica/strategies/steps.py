@@ -23,9 +23,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Iterator
 
+import torch
+
 from .. import context
 from ..arguments import check_int
 from ..errors import ReplicaContextError, summarize
+from ..random_streams import draw_base, replica_stream
 from ..reduce_op import ReduceOp
 
 if TYPE_CHECKING:
@@ -156,11 +159,17 @@ def run_steps_on_iterator(strategy: "Strategy", fn: Callable[[MultiStepContext, 
     return ctx
 
 
-def _loop(fn: Callable[[Any], Any], elements: list[Any]) -> Any:
-    """A replica's multi-step body: ``fn`` on its part of each element, the last result kept."""
+def _loop(fn: Callable[[Any], Any], elements: list[Any], bases: list[int] | None) -> Any:
+    """A replica's multi-step body: ``fn`` on its part of each element, the last result kept.
+
+    With ``bases``, step ``k`` draws from the stream one ``strategy.run`` that drew
+    ``bases[k]`` would give this replica, so dropout trains as one run per step.
+    """
+    rid = context.require_replica_context("strategy.experimental_run_steps").replica_id_in_sync_group
     out = None
-    for element in elements:
-        out = fn(element)
+    for k, element in enumerate(elements):
+        with replica_stream(None if bases is None else bases[k], rid):
+            out = fn(element)
     return out
 
 
@@ -185,4 +194,14 @@ def run_steps(strategy: "Strategy", fn: Callable[[Any], Any], iterator: Any, ste
         for element in elements:
             out = strategy.run(fn, args=(element,))
         return out
-    return strategy.run(_loop, args=(fn, elements))
+    if not strategy.extended.random_streams:
+        return strategy.run(_loop, args=(fn, elements, None))
+    # One random base per step, drawn from the caller's generator as ``len(elements)``
+    # runs would draw them: the run itself draws the first, the rest are drawn after it.
+    saved = torch.get_rng_state()
+    bases = [draw_base() for _ in elements]
+    torch.set_rng_state(saved)
+    out = strategy.run(_loop, args=(fn, elements, bases))
+    for _ in elements[1:]:
+        draw_base()
+    return out
