@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import crossreplica as cr
+from crossreplica.testing import free_port
 from _common import fmt_time, median, print_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -106,12 +107,8 @@ def _launch(cmd: list[str]) -> str:
 
 
 def _torchrun(nproc: int) -> list[str]:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
 
 
 LAYOUTS = [  # (name, launcher processes or None, strategy kind, replicas per process)

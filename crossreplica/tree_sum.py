@@ -126,14 +126,11 @@ def tree_combine(nodes: Mapping[Node, torch.Tensor], n: int) -> torch.Tensor:
             return found
         if size == 1:
             raise ValueError(f"summand {lo} of {n} is in none of the partial sums {sorted(nodes)}")
-        left = total(lo, size // 2)
+        left = total(lo, size // 2)  # lo < n: never absent
         right = total(lo + size // 2, size // 2)
-        assert left is not None
-        return left if right is None else left + right
+        return left if right is None else left + right  # type: ignore[operator]
 
-    out = total(0, _root_size(n))
-    assert out is not None
-    return out
+    return total(0, _root_size(n))  # type: ignore[return-value]
 
 
 def sequential_sum(values: Sequence[torch.Tensor]) -> torch.Tensor:
