@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 import sys
 import time
 from typing import Any
@@ -53,7 +52,7 @@ class TrainConfig:
     seed: int = 0
     progress: bool = True
     compare: bool = True
-    threads: int | None = None  # torch intra-op threads per replica; None: cores // replicas
+    threads: int | None = None  # torch intra-op threads per replica; None: an equal share of the cores
     replicas_per_worker: int = 1  # for multi_worker: local replicas of each torchrun process
     micro_batches: int | None = None  # the layout-invariant mode with this many micro-batches per batch
     save_params: str | None = None  # torch.save the final model's state_dict here (on the chief)
@@ -192,13 +191,6 @@ def _eval_step(model: nn.Module, batch: Any) -> torch.Tensor:
         model.train()
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 # --------------------------------------------------------------------------- training
 
 def train(config: TrainConfig | None = None, log: Callable[[str], None] | None = print) -> TrainResult:
@@ -224,9 +216,8 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
     log(f"crossreplica train: {config.strategy} strategy, {n} replica(s) in sync, {config.epochs} "
         f"epochs, global batch {config.batch_size}, lr {config.lr}, seed {config.seed}")
     saved_threads, saved_rng = torch.get_num_threads(), torch.get_rng_state()
-    layout = strategy.extended.layout_invariant
-    torch.set_num_threads(config.threads or (layout.intra_op_threads if layout is not None else None)
-                          or max(1, _cores() // n))
+    if config.threads is not None:  # the strategy gives each local replica an equal share of this thread's
+        torch.set_num_threads(config.threads * len(strategy.extended.local_replica_ids))
     # Every strategy.run draws the replicas' stream base from this generator
     # (docs/fidelity.md, "Random numbers"); train_reference makes the same draws.
     torch.manual_seed(config.seed)

@@ -65,8 +65,13 @@ def _train(strategy, policy):
     with strategy.scope():
         cr.save(path, {"model": models})
         saved = cr.load(path)["model"]
-    return {"ids": ids, "steps": steps, "threads": torch.get_num_threads(), "saved": {k: saved[k] for k in steps[-1][0]},
+    return {"ids": ids, "steps": steps, "threads": _replica_threads(strategy), "saved": {k: saved[k] for k in steps[-1][0]},
             "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]}
+
+
+def _replica_threads(strategy) -> int:
+    """The intra-op threads replica 0 computes with (an equal share of the caller's)."""
+    return int(strategy.experimental_local_results(strategy.run(lambda: torch.tensor(torch.get_num_threads())))[0])
 
 
 def _train_broadcast(strategy):
@@ -114,7 +119,7 @@ def _gathered(engine, policy):
 
 @contextlib.contextmanager
 def _intra_op_threads(n):
-    """Plain torch with the workers' intra-op thread count (it decides how a batch's
+    """Plain torch with the replicas' intra-op thread count (it decides how a batch's
     statistics are summed, so the bits)."""
     old = torch.get_num_threads()
     torch.set_num_threads(n)

@@ -130,18 +130,30 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
                 "strategy.run was called while a run of the same strategy is in progress (from a "
                 "replica function or merge_fn); call it from the main program only")
         self._running = True
-        threads = self.layout_invariant.intra_op_threads if self.layout_invariant is not None else None
         saved = torch.get_num_threads()
-        if threads is not None and threads != saved:
-            torch.set_num_threads(threads)
+        share = self._intra_op_threads(saved)
+        if self._threads is None and share != saved:  # the one replica runs in this thread
+            torch.set_num_threads(share)
         try:
-            return self._call_for_each_replica(fn, args, kwargs)
+            return self._call_for_each_replica(fn, args, kwargs, share)
         finally:
             self._running = False
-            if threads is not None and threads != saved:
+            if share != saved:
+                # A replica thread's set also changes the count torch gives new threads.
                 torch.set_num_threads(saved)
 
-    def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[Any]:
+    def _intra_op_threads(self, caller: int) -> int:
+        """The intra-op threads each replica computes with (torch keeps the count per
+        thread): the layout-invariant mode's setting, else an equal share of the caller's
+        ``caller`` threads, at least 1, as torchrun gives each process one
+        (OMP_NUM_THREADS=1), so that replicas never oversubscribe the cores."""
+        layout = self.layout_invariant
+        if layout is not None and layout.intra_op_threads is not None:
+            return layout.intra_op_threads
+        return max(1, caller // len(self.local_replica_ids))
+
+    def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict,
+                               threads: int) -> list[Any]:
         strategy, engine = self._container, self.engine
         ids, devices = self.local_replica_ids, self.worker_devices
         # A replica abandoned by an earlier failed run may return later; it must
@@ -161,6 +173,8 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
         def body(i: int) -> Any:
             rctx = ReplicaContext(strategy, ids[i], i, engine, run=token)
             a, kw = select_replica(i, args), select_replica(i, kwargs)
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
             context.push(strategy, rctx)
             try:
                 with torch_state.applied(state), replica_stream(base, ids[i]):

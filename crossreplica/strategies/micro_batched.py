@@ -66,10 +66,6 @@ class MicroBatchedRun:
 
     def __call__(self, fn: Callable[..., Any], i: int, rctx: ReplicaContext) -> Any:
         rid, k = self.replica_ids[i], self.k
-        threads = self.layout.intra_op_threads
-        if threads is not None and torch.get_num_threads() != threads:
-            # OpenMP keeps the thread count per thread: a replica thread sets its own.
-            torch.set_num_threads(threads)
         first = rid * k
         rows = self.rows[i]
         total_rows = self.global_rows
