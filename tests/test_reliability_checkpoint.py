@@ -226,7 +226,11 @@ def test_save_warns_when_mirrored_copies_differ(tmp_path, cross_shard):
 
     opts = s.run(build, args=(model,))
     x = torch.randn(4, 3)
-    s.run(_plain_sgd_step, args=(model, opts, cr.PerReplica(list(x.chunk(2)))))
+    with warnings.catch_warnings(record=True) as at_step:
+        warnings.simplefilter("always")
+        s.run(_plain_sgd_step, args=(model, opts, cr.PerReplica(list(x.chunk(2)))))
+    # the step itself already says so (optim/guards.py)
+    assert any("no cross-replica reduction" in str(w.message) for w in at_step) != cross_shard
     copies = s.experimental_local_results(model)
     same = all(torch.equal(p, q) for p, q in zip(copies[0].parameters(), copies[1].parameters()))
     assert same == cross_shard

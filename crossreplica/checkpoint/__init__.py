@@ -93,6 +93,8 @@ def save(path: str | os.PathLike, state: Any, *, strategy: Any = None) -> None:
     path = os.fspath(path)
     strategy = _resolve(strategy, "save")
     workers = _cross_process(strategy)
+    if workers is not None:
+        workers.meet("cr.save")
     plain = _encode(_plain(state, strategy))
     if workers is None:
         _atomic_save(plain, path)
@@ -149,6 +151,7 @@ def _read_everywhere(path: str, map_location: Any, weights_only: bool, strategy:
     workers = _cross_process(strategy)
     if workers is None:
         return _read(_file_bytes(path), path, map_location, weights_only)
+    workers.meet("cr.load")
     # The chief reads the file; every worker gets its bytes (never a pickle to trust) and
     # checks and loads them with the same safe loader as a file.
     status, payload = _OK, b""

@@ -27,7 +27,7 @@ from .. import nest
 from ..errors import CheckpointError
 from ..values import PerReplica
 from .safe_values import TAG, decode, encode
-from .state import Pending
+from .state import Pending, warn_copies_differ
 
 __all__ = ["digest", "is_record", "pick", "record", "resolve", "settle"]
 
@@ -83,16 +83,24 @@ def settle(pending: list[Pending], strategy: Any) -> list[Any]:
             .reshape(1, -1) for i in range(len(local_ids))]
     table = ext.gather_values(rows, 0)  # [n, 32 * len(pending)], in global replica order
     width = 32
-    differ = [j for j in range(len(pending))
-              if not bool((table[:, j * width:(j + 1) * width] == table[0, j * width:(j + 1) * width]).all())]
+    differ = []
+    for j, p in enumerate(pending):
+        same = (table[:, j * width:(j + 1) * width] == table[0, j * width:(j + 1) * width]).all(dim=1)
+        if bool(same.all()):
+            continue
+        if p.mirrored is not None:  # kept once, as every Mirrored: only said
+            warn_copies_differ(p.where, f"replicas {same.logical_not().nonzero().flatten().tolist()} differ from "
+                                        f"replica 0")
+        else:
+            differ.append(j)
     everyone: dict[int, dict[int, Any]] = {}
     if differ:
         if len(local_ids) == n:  # every replica is in this process
             everyone = {g: {j: pending[j].local[i] for j in differ} for i, g in enumerate(local_ids)}
         else:
             everyone = _exchange(ext, [{j: encoded[j][i] for j in differ} for i in range(len(local_ids))], n)
-    return [record([everyone[g][j] for g in range(n)]) if j in differ else p.local[0]
-            for j, p in enumerate(pending)]
+    return [p.mirrored if p.mirrored is not None else record([everyone[g][j] for g in range(n)]) if j in differ
+            else p.local[0] for j, p in enumerate(pending)]
 
 
 def _exchange(ext: Any, payloads: list[dict[int, Any]], n: int) -> dict[int, dict[int, Any]]:

@@ -6,8 +6,9 @@ What each leaf of the nest given to ``cr.save`` becomes (the first rule that
 matches; :func:`kind` is the one place that decides, and restoring uses it too):
 
 * ``Mirrored``: replica 0's copy, walked (every copy is the same; on the chief
-  local replica 0 is global replica 0). Local copies that differ are a warning:
-  they were trained without a cross-replica reduction.
+  local replica 0 is global replica 0). Copies that differ are a warning (they
+  were trained without a cross-replica reduction): local ones compared here,
+  those of other workers by digest with the PerReplica values (:mod:`.per_replica`).
 * ``PerReplica``: every local replica's value, walked; then compared across
   all replicas (:mod:`.per_replica`): one value if they are all the same,
   else one value per replica.
@@ -35,11 +36,11 @@ from typing import Any
 import torch
 
 from .. import nest
-from ..errors import ReplicaContextError
+from ..errors import ReplicaContextError, ReplicasDivergeWarning
 from ..values import Mirrored, PerReplica
 
 __all__ = ["MIRRORED", "PER_REPLICA", "TENSOR", "STATEFUL", "GENERATOR", "GET_STATE", "GETSTATE",
-           "Pending", "capture", "kind", "local_ids_for", "where"]
+           "Pending", "capture", "kind", "local_ids_for", "warn_copies_differ", "where"]
 
 MIRRORED, PER_REPLICA, TENSOR, STATEFUL = "mirrored", "per_replica", "tensor", "stateful"
 GENERATOR, GET_STATE, GETSTATE = "generator", "get_state", "getstate"
@@ -81,13 +82,16 @@ def where(root: str, path: tuple) -> str:
 
 
 class Pending:
-    """A PerReplica's local values, walked, before they are compared across replicas."""
+    """A PerReplica's local values, walked, before they are compared across replicas; or a
+    Mirrored's compared part (``local``), only to warn when the workers' copies differ, and
+    the copy to save (``mirrored``)."""
 
-    __slots__ = ("where", "local")
+    __slots__ = ("where", "local", "mirrored")
 
-    def __init__(self, where: str, local: list[Any]):
+    def __init__(self, where: str, local: list[Any], mirrored: Any = None):
         self.where = where
         self.local = local
+        self.mirrored = mirrored
 
 
 def capture(state: Any, strategy: Any, pending: list[Pending], path: tuple = ()) -> Any:
@@ -96,9 +100,18 @@ def capture(state: Any, strategy: Any, pending: list[Pending], path: tuple = ())
     k = kind(state)
     if k == MIRRORED:
         first = capture(state.values[0], strategy, pending, path)
+        trained = _trained(state.values[0], first)
         for i, other in enumerate(state.values[1:], 1):
-            _warn_if_differ(first, capture(other, strategy, [], path), path, i)
-        return first
+            if not _same(trained, _trained(other, capture(other, strategy, [], path))):
+                warn_copies_differ(where("state", path), f"local copy {i} is not copy 0")
+        ext = strategy.extended
+        local = len(ext.local_replica_ids)
+        if local == ext.num_replicas_in_sync:
+            return first
+        # Other workers hold copies too: compared by digest with the PerReplica values.
+        entry = Pending(where("state", path), [trained] * local, mirrored=first)
+        pending.append(entry)
+        return entry
     if k == PER_REPLICA:
         return _per_replica(state, strategy, pending, path)
     if k == TENSOR:
@@ -162,15 +175,23 @@ def _same(a: Any, b: Any) -> bool:
         return True
 
 
-def _warn_if_differ(first: Any, other: Any, path: tuple, index: int) -> None:
-    """A Mirrored's copies must be the same; cr.save keeps copy 0, so say when they are not."""
-    if not _same(first, other):
-        warnings.warn(
-            f"cr.save: the copies of the Mirrored at {where('state', path)} differ (local copy {index} is not "
-            f"copy 0), and the checkpoint keeps copy 0 only. Mirrored copies drift apart when they are "
-            f"trained without a cross-replica reduction, e.g. a plain torch.optim optimizer stepping each "
-            f"copy on its own shard; wrap it as cr.CrossShardOptimizer(torch.optim....) (or all-reduce the "
-            f"gradients) so every copy takes the same step", UserWarning, stacklevel=2)
+def _trained(obj: Any, captured: Any) -> Any:
+    """What an optimizer step keeps the same on a Mirrored's copies: a module's state without
+    its buffers (``sync_buffers=None`` lets those differ, with an UnsyncedBuffersWarning)."""
+    if not isinstance(obj, torch.nn.Module) or not isinstance(captured, dict):
+        return captured
+    buffers = {name for name, _ in obj.named_buffers()}
+    return {k: v for k, v in captured.items() if k not in buffers}
+
+
+def warn_copies_differ(name: str, which: str) -> None:
+    """The warning of a Mirrored whose copies differ (``which`` says which do)."""
+    warnings.warn(
+        f"cr.save: the copies of the Mirrored at {name} differ ({which}), and the checkpoint keeps replica 0's "
+        f"only. Mirrored copies drift apart when they are trained without a cross-replica reduction, e.g. a "
+        f"plain torch.optim optimizer stepping each copy on its own shard; wrap it as "
+        f"cr.CrossShardOptimizer(torch.optim....) (or all-reduce the gradients) so every copy takes the same "
+        f"step", ReplicasDivergeWarning, stacklevel=4)
 
 
 def _state_dict_of(obj: Any) -> Any:

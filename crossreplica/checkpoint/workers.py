@@ -2,8 +2,11 @@
 
 Layer: strategies (layer 5), the checkpoint package; see docs/architecture.md.
 
-Across processes only the chief (rank 0, which holds replica 0) writes; every
-worker then waits for it in a bounded collective that also carries the chief's
+Across processes only the chief (rank 0, which holds replica 0) writes. Every
+worker first meets the others in the store (``Workers.meet``): a save or load
+called on some workers only (DDP's ``if master_process:``) fails there at once,
+naming the API, instead of pairing its collectives with the others' training
+calls until the timeout. Every worker then waits for the chief in a bounded collective that also carries the chief's
 success or failure, so no worker runs ahead of a checkpoint that does not exist
 yet. Loading reads on the chief and sends the file's bytes (never a pickle to
 trust) to every worker, so the hosts need no shared file system.
@@ -27,9 +30,15 @@ OK, MISSING, FAILED = 0, 1, 2  # what the chief found when it read a checkpoint
 class Workers:
     """Who writes, and how the workers agree on the outcome."""
 
-    def __init__(self, is_chief: bool, max_flag: Callable[[int], int]):
+    def __init__(self, is_chief: bool, max_flag: Callable[[int], int], meet: Callable[[str], None] | None = None):
         self.is_chief = is_chief
         self.max_flag = max_flag  # int -> the maximum over every worker (a bounded collective)
+        self._meet = meet
+
+    def meet(self, api: str) -> None:
+        """Waits until every worker has called ``api``; fails fast if one went past it."""
+        if self._meet is not None:
+            self._meet(api)
 
 
 def cross_process(strategy: Any) -> Workers | None:
@@ -44,7 +53,7 @@ def cross_process(strategy: Any) -> Workers | None:
     if ext is not None and getattr(engine, "world_size", 1) > 1 and hasattr(ext, "is_chief"):
         n = len(ext.worker_devices)
         return Workers(ext.is_chief, lambda flag: int(ext.reduce_values(
-            ReduceOp.MAX, [torch.tensor([flag], dtype=torch.int32)] * n).item()))
+            ReduceOp.MAX, [torch.tensor([flag], dtype=torch.int32)] * n).item()), getattr(engine, "meet", None))
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         def max_flag(flag: int) -> int:
             t = torch.tensor([flag], dtype=torch.int32, device=_device())

@@ -241,6 +241,19 @@ class TorchDistEngine(Engine):
             _broke(err)
             raise err from e
 
+    def meet(self, what: str) -> None:
+        """Waits until every worker reaches the host-side collective ``what`` (``cr.save``);
+        see :meth:`Watchdog.meet`. A failure breaks the engine and releases the others."""
+        if self._broken is not None:
+            raise self._broken_error(self._broken)
+        try:
+            self.watchdog.meet(what)
+        except (CollectiveMismatchError, CollectiveTimeoutError) as e:
+            self.announce_failure(f"worker rank {self.rank}: {e}")
+            self._broken = e
+            _broke(e)
+            raise
+
     def barrier(self, what: str = "barrier") -> None:
         """Waits (bounded) until every worker reaches the same barrier."""
         if self._broken is not None:

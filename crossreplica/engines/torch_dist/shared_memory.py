@@ -202,8 +202,11 @@ class SharedMemoryReducer:
         store.set(f"{prefix}/{rank}", value)
         keys = [f"{prefix}/{r}" for r in range(self._eng.world_size)]
         deadline = time.monotonic() + watchdog.timeout
-        pause, warned = 1e-4, False
+        pause, warned, posted = 1e-4, False, False
         while not store.check(keys):
+            if not posted and pause >= 0.01:  # where this worker waits, for the others' reports
+                watchdog.post_progress()
+                posted = True
             aborted = watchdog.abort_message()
             if aborted is not None:
                 raise ReplicaAborted(f"{aborted}; this worker was released from {watchdog.where}")
@@ -360,7 +363,7 @@ class SharedMemoryReducer:
         deadline = time.monotonic() + watchdog.timeout
         next_check, pause = time.monotonic() + _ABORT_CHECK, 5e-5
         spin_until = time.monotonic() + _SPIN
-        warned = False
+        warned = posted = False
         while True:
             self.progress()
             if all(r.reduced and _all_at_least(r.segment.headers, _PUBLISHED, r.seq) for r in rounds):
@@ -370,6 +373,9 @@ class SharedMemoryReducer:
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + _ABORT_CHECK
+                if not posted:  # where this worker waits, for the others' reports (watchdog.py)
+                    watchdog.post_progress()
+                    posted = True
                 aborted = watchdog.abort_message()
                 if aborted is not None:
                     raise ReplicaAborted(f"{aborted}; this worker was released from {watchdog.where}")

@@ -14,7 +14,9 @@ check runs between slices only, so a fast collective pays nothing for it.
 
 Store keys, under one prefix per engine: ``abort`` (the failing worker's
 message), ``progress/<rank>`` (the last cross-process call a worker reached),
-``p2p/<a>-><b>`` (point-to-point exchanges worker ``a`` reached with ``b``).
+``p2p/<a>-><b>`` (point-to-point exchanges worker ``a`` reached with ``b``),
+``meet/<count>.<k>/<rank>`` (a worker reached a host-side collective such as
+``cr.save``, :meth:`Watchdog.meet`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ... import torch_private as tp
-from ...errors import CollectiveTimeoutError, CrossReplicaError, ReplicaAborted
+from ...errors import CollectiveMismatchError, CollectiveTimeoutError, CrossReplicaError, ReplicaAborted
 from ...logs import slow_seconds
 from ..base import Call
 
@@ -92,6 +94,7 @@ class Watchdog:
         #: the call under way, described only if something goes wrong
         self.current: Call | str = "no collective yet"
         self._exchanges: dict[int, int] = {}  # peer worker -> point-to-point exchanges with it so far
+        self._meetings = 0  # host-side collectives met so far (meet)
 
     @property
     def prefix(self) -> str:
@@ -161,6 +164,47 @@ class Watchdog:
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
 
+    def meet(self, what: str) -> None:
+        """Waits (abort-aware, bounded by the timeout) until every worker has reached the
+        host-side collective ``what`` (``cr.save``), before any of its cross-process calls.
+
+        A worker that went on to a later cross-process call instead (its progress key,
+        posted while it waits there, is past this worker's count) never comes: ``what``
+        was called on some workers only (the DDP habit ``if rank == 0: save``), which
+        fails here at once rather than as a mismatched collective after the timeout.
+
+        Raises:
+            CollectiveMismatchError: a worker went past ``what`` without calling it.
+            CollectiveTimeoutError: a worker did not reach it within the timeout.
+        """
+        if self.store is None or self.world_size == 1:
+            return
+        self._meetings += 1
+        base = f"{self._prefix}/meet/{self.count}.{self._meetings}"
+        self.store.set(f"{base}/{self.rank}", what)
+        keys = {rank: f"{base}/{rank}" for rank in range(self.world_size) if rank != self.rank}
+        deadline = time.monotonic() + self.timeout
+        pause = 1e-4
+        while not self.store.check(list(keys.values())):
+            aborted = self.abort_message()
+            if aborted is not None:
+                raise ReplicaAborted(f"{aborted}; this worker was released from {what}")
+            absent = [rank for rank, key in keys.items() if not self.store.check([key])]
+            gone = [rank for rank in absent if self._progress(rank) > self.count]
+            if gone:
+                raise CollectiveMismatchError(
+                    f"{what} was called on worker rank {self.rank}, but worker ranks {gone} (replicas "
+                    f"{list(self._replicas_of(gone))}) went on to their next collective without calling it. "
+                    f"{what} is a collective: every worker must call it (the chief alone writes the file); "
+                    f"drop the `if rank == 0:` (DDP's `if master_process:`) around it")
+            if time.monotonic() >= deadline:
+                raise CollectiveTimeoutError(
+                    f"{what} timed out after {self.timeout:g}s on worker rank {self.rank}: worker ranks {absent} "
+                    f"(replicas {list(self._replicas_of(absent))}) never called it; {what} is a collective that "
+                    f"every worker must call", self._replicas_of(absent))
+            time.sleep(pause)
+            pause = min(2 * pause, 0.02)
+
     def _raise_if_aborted_or_late(self, deadline: float, ranks: Sequence[int],
                                   missing: Callable[[], Sequence[int]]) -> None:
         """Raises if another worker announced a failure, or ``deadline`` has passed
@@ -221,6 +265,14 @@ class Watchdog:
             return None
         return None
 
+    def _progress(self, rank: int) -> int:
+        """The last cross-process call ``rank`` posted that it waits at (-1: none, or unknown)."""
+        key = f"{self._prefix}/progress/{rank}"
+        try:
+            return int(self.store.get(key)) if self.store.check([key]) else -1
+        except Exception:  # noqa: BLE001 - a dead store host shows up as a lost peer instead
+            return -1
+
     def _missing(self, ranks: Sequence[int], grace: float = 0.0) -> list[int]:
         """Ranks among ``ranks`` that have not posted progress at this call (store based)."""
         if self.store is None:
@@ -231,12 +283,7 @@ class Watchdog:
             for rank in ranks:
                 if rank == self.rank:
                     continue
-                key = f"{self._prefix}/progress/{rank}"
-                try:
-                    seen = int(self.store.get(key)) if self.store.check([key]) else -1
-                except Exception:  # noqa: BLE001
-                    seen = -1
-                if seen < self.count:
+                if self._progress(rank) < self.count:
                     missing.append(rank)
             if not missing or time.monotonic() >= end:
                 return missing
