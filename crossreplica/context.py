@@ -193,7 +193,7 @@ def require_replica_context(api: str) -> "ReplicaContext":
 class ReplicaContext:
     """What a replica function knows about itself and its peers."""
 
-    __slots__ = ("_strategy", "_host", "_replica_id", "_local_index", "_engine", "_run", "micro_batch")
+    __slots__ = ("_strategy", "_host", "_replica_id", "_local_index", "_engine", "_run", "micro_batch", "collectives")
 
     def __init__(self, strategy: StrategyLike, replica_id: int, local_index: int, engine: "Engine",
                  run: object = None):
@@ -205,13 +205,16 @@ class ReplicaContext:
         self._run = run  # the run this context belongs to (its host's run_token then)
         #: In the layout-invariant mode, the micro-batch being run (a ``MicroBatch``); else None.
         self.micro_batch: Any = None
+        #: collectives and merge_calls this replica has made in the run (optim/guards.py reads it)
+        self.collectives = 0
 
     def check_current(self, prefix: str, name: object = "") -> None:
         """Raises if this replica's run was abandoned (a later run is under way).
 
         A replica left behind by a failed run must not join the collectives of
         the next run in its seat. ``prefix + name`` names the API; it is joined
-        only when raising, since this runs on every collective."""
+        only when raising, since this runs on every collective (and counts it)."""
+        self.collectives += 1
         if self._run is not None and self._host.run_token is not self._run:
             raise ReplicaAborted(
                 f"{prefix}{name} was called by replica {self._replica_id} of a run that already failed and "

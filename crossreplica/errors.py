@@ -26,6 +26,7 @@ __all__ = [
     "ReplicaError",
     "CrossReplicaWarning",
     "SharedModuleWarning",
+    "ReplicasDivergeWarning",
     "UnsyncedBuffersWarning",
     "ConfigurationWarning",
 ]
@@ -147,6 +148,13 @@ class CrossReplicaWarning(UserWarning):
 class SharedModuleWarning(CrossReplicaWarning):
     """Several replicas of one process were handed the same module with trainable
     parameters (they would race on its gradients); ``strategy.mirror`` it instead."""
+
+
+class ReplicasDivergeWarning(CrossReplicaWarning):
+    """The replicas take different steps where they should take the same one: a plain
+    torch optimizer stepping without a cross-replica reduction, gradients edited before
+    CrossShardOptimizer reduces them, or mirrored copies that differ at ``cr.save``
+    (``optim/guards.py``)."""
 
 
 class UnsyncedBuffersWarning(CrossReplicaWarning, RuntimeWarning):

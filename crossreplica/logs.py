@@ -25,10 +25,11 @@ import logging
 
 from . import settings
 from .errors import (CollectiveMismatchError, CollectiveTimeoutError, ConfigurationWarning, CrossReplicaWarning,
-                     ReplicaAborted, SharedModuleWarning, UnsyncedBuffersWarning)
+                     ReplicaAborted, ReplicasDivergeWarning, SharedModuleWarning, UnsyncedBuffersWarning)
 
 __all__ = ["LOGGER_NAME", "SLOW_SECONDS_ENV", "ConfigurationWarning", "CrossReplicaWarning",
-           "SharedModuleWarning", "UnsyncedBuffersWarning", "replica_failed", "report", "slow_seconds"]
+           "ReplicasDivergeWarning", "SharedModuleWarning", "UnsyncedBuffersWarning", "replica_failed", "report",
+           "slow_seconds"]
 
 #: The root of the library's loggers.
 LOGGER_NAME = "crossreplica"

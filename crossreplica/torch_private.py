@@ -187,7 +187,8 @@ def queue_autograd_callback(fn: Callable[[], None]) -> None:
 _need("torch.Tensor._base", "the tensor a view was taken from (None if not a view)", "1.0",
       "collectives could return views aliasing their inputs (collectives/)")
 _need("torch.Tensor._version", "the in-place write counter of a tensor", "1.0",
-      "the mirrored-buffer check would compare every run (strategies/buffers.py)")
+      "the mirrored-buffer check would compare every run (strategies/buffers.py), and gradients clipped "
+      "before CrossShardOptimizer reduces them would pass unnoticed (optim/guards.py)")
 _need("torch.Tensor._values", "a sparse COO tensor's values, coalesced or not, not differentiable", "1.0",
       "sparse gradients could not be reduced or unscaled (engines/sparse.py, optim/)",
       public="Tensor.values() needs a coalesced tensor and is differentiable")

@@ -137,6 +137,7 @@ def _closure_step(opt: "CrossShardOptimizer", mb: MicroBatch, closure: Callable[
                 loss_holder.device)
             sums.fold(dataclasses.replace(mbj, pending=sums), [*params, loss_holder])
         _combine(sums.runs, [*params, loss_holder], opt._reduction)
+        opt._edits.forget()  # the closures' backward passes, combined: not an edit
         total = loss_holder.grad
         loss_holder.grad = None
         return None if total is None else total[0].to(torch.get_default_dtype())

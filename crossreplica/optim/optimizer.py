@@ -22,6 +22,7 @@ from ..packing import DEFAULT_BYTES_PER_PACK, PackedBuffers
 from ..reduce_op import ReduceOp
 from . import invariant
 from .amp import reduce_before_scaler, unscale_or_skip
+from .guards import GradientEdits, check_owner, exempt
 from .arguments import (
     canonical_name,
     canonical_reduction,
@@ -192,6 +193,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients (and forgets an earlier :meth:`synchronize`)."""
         self._synchronized = False
+        self._edits.forget()
         if self._overlapped is not None:
             self._overlapped.reset()
         self._optimizer.zero_grad(set_to_none=set_to_none)
@@ -218,12 +220,18 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         self._pack_cache = None
         self._synchronized = False
         self._owner = None
+        for stepped in (self, self._optimizer, self._sharded and self._sharded.inner):
+            if stepped:  # the plain-optimizer guard leaves them alone: this wrapper reduces
+                exempt(stepped)
+        params = list({id(p): p for g in self._optimizer.param_groups for p in g["params"]
+                       if p.requires_grad}.values())
         self._overlapped: OverlappedReduction | None = None
         if self._overlap:
-            params = list({id(p): p for g in self._optimizer.param_groups for p in g["params"]
-                           if p.requires_grad}.values())
             self._overlapped = OverlappedReduction(params, self._bytes_per_pack, self._reduction, self._groups,
                                                    self._communication_options)
+        # Gradients edited before step() reduces them (the DDP clipping idiom) are a warning;
+        # with overlap they are reduced by the end of backward.
+        self._edits = GradientEdits([] if self._overlap else params)
         # What torch.optim.Optimizer.__init__ sets up for hooks; the parameters
         # themselves stay with the wrapped optimizer.
         tp.init_optimizer_hooks(self)
@@ -259,6 +267,8 @@ class CrossShardOptimizer(torch.optim.Optimizer):
             cr.ReplicaContextError: called outside a replica function.
         """
         rctx = require_replica_context("CrossShardOptimizer.step")
+        if not self._synchronized:
+            self._edits.check("step()", self, rctx)
         if rctx.micro_batch is not None:
             return invariant.invariant_step(self, rctx.micro_batch, closure, weight)
         if not unscale_or_skip(self, closure, weight):
@@ -268,7 +278,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
             if closure is not None or weight is not None:
                 raise ValueError("shard_optimizer_state=True supports neither a closure nor weight=")
             if len(group_of(groups, rctx.replica_id_in_sync_group)) > 1:
-                self._check_owner(rctx)
+                check_owner(self, rctx)
                 overlapped = self._overlapped is not None
                 if overlapped and not self._synchronized:  # what the buckets left
                     self._reduce_gradients(None)
@@ -307,6 +317,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         The next :meth:`step` then steps without reducing again.
         """
         rctx = require_replica_context("CrossShardOptimizer.synchronize")
+        self._edits.check("synchronize()", self, rctx)
         if rctx.micro_batch is not None:
             # Folds this micro-batch; the gradients are the step's only in the replica's last one.
             self._synchronized = invariant.synchronize(self, rctx.micro_batch, weight)
@@ -352,25 +363,13 @@ class CrossShardOptimizer(torch.optim.Optimizer):
             self._pack_cache = cached
         return cached[1]
 
-    def _check_owner(self, rctx: Any) -> None:
-        """One optimizer per replica: sharing one would race on the same gradients."""
-        owner = (id(rctx.engine), rctx.replica_id_in_sync_group)
-        if self._owner is None or self._owner[0] != owner[0]:
-            self._owner = owner
-        elif self._owner != owner:
-            raise ValueError(
-                f"this CrossShardOptimizer is stepped by replica {self._owner[1]} and replica {owner[1]}; "
-                f"every replica needs its own optimizer over its own model copy, e.g. "
-                f"opts = strategy.run(lambda m: cr.CrossShardOptimizer(torch.optim.SGD(m.parameters(), "
-                f"lr=0.1)), args=(strategy.mirror(model),))")
-
     def _reduce_gradients(self, weight: Any, loss: Any = None) -> Any:
         """Reduces the gradients in place; returns ``loss`` reduced the same way.
 
         A loss that is not a one-element tensor or a real number is returned as is.
         """
         rctx = require_replica_context("CrossShardOptimizer.step")
-        self._check_owner(rctx)
+        check_owner(self, rctx)
         overlapped = self._overlapped
         if overlapped is not None:
             overlapped.finish()  # waits for what is still in flight
@@ -381,6 +380,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         try:
             return self._reduce_rest(rctx, weight, loss)
         finally:
+            self._edits.forget()  # reduced in place: not an edit (a closure's backward recorded them)
             if overlapped is not None:
                 overlapped.reduced.clear()
 

@@ -44,6 +44,7 @@ from ..engines.threads import ThreadsEngine
 from ..engines.wire import execute_on_wire
 from ..groups import Groups, group_of
 from ..reduce_op import ReduceOp
+from .guards import exempt
 
 __all__ = ["ShardedUpdate", "state_bytes"]
 
@@ -121,6 +122,7 @@ class ShardedUpdate:
         self.layout = layout
         self.inner = type(self.optimizer)([self._hyper(g, [s]) for g, s in
                                            zip(self.optimizer.param_groups, layout.shards)])  # type: ignore[call-arg]
+        exempt(self.inner)
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self._load(state)
@@ -199,6 +201,7 @@ class ShardedUpdate:
         self.views = views
         self.inner = type(self.optimizer)([self._hyper(g, v) for g, v in
                                            zip(self.optimizer.param_groups, views.views)])  # type: ignore[call-arg]
+        exempt(self.inner)
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self._load(state)
