@@ -30,7 +30,7 @@ from torch.nn import init
 from .arguments import check_int
 from .torch_private import BatchNormBase
 from .collectives import all_reduce
-from .context import get_replica_context
+from .context import current_replica_context
 from .groups import Groups, contiguous_groups, group_of, resolve_groups
 from .errors import summarize
 
@@ -108,7 +108,7 @@ class SyncBatchNorm(BatchNormBase):
         if input.shape[1] != self.num_features:
             raise ValueError(f"SyncBatchNorm({self.num_features}) got an input with {input.shape[1]} "
                              f"channels (shape {list(input.shape)}); dim 1 must be the channels")
-        rctx = get_replica_context()
+        rctx = current_replica_context()
         if not self.training or rctx is None:
             return self._local(input)
         if rctx.micro_batch is not None:

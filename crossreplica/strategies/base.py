@@ -71,7 +71,7 @@ class Strategy(LogicalDeviceMethods, TFCompatMethods):
             raise TypeError(f"args must be a tuple or list of positional arguments; got {summarize(args)}")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs must be a dict or None; got {summarize(kwargs)}")
-        if context.get_replica_context() is not None:
+        if context.current_replica_context() is not None:
             raise ReplicaContextError(
                 "strategy.run was called inside a replica function; call it from the main program "
                 "(cross-replica context)")
@@ -107,7 +107,7 @@ class Strategy(LogicalDeviceMethods, TFCompatMethods):
     # ------------------------------------------------------------ cross-replica API
 
     def _require_cross_replica(self, api: str) -> None:
-        if context.get_replica_context() is not None:
+        if context.current_replica_context() is not None:
             raise ReplicaContextError(
                 f"strategy.{api} must be called in cross-replica context (outside strategy.run); "
                 f"inside a replica function use cr.all_reduce / cr.all_gather")

@@ -135,7 +135,7 @@ class TFCompatExtended:
             ValueError: ``colocate_with`` names no devices, or a Mirrored argument has
                 another number of values.
         """
-        if context.get_replica_context() is not None:
+        if context.current_replica_context() is not None:
             raise ReplicaContextError(
                 "strategy.extended.update_non_slot must be called in cross-replica context (outside "
                 "strategy.run, or in a merge_call's merge_fn)")

@@ -1,0 +1,101 @@
+"""TF idioms that work as written: a model and optimizer captured by the replica function's
+closure act as the replica's own copy, ``experimental_distribute_dataset``, the default
+replica context outside any strategy, ``cr.nn.compute_average_loss`` /
+``scale_regularization_loss`` and ``torch.compile`` of a mirrored model.
+
+Training checks run in one process (MirroredStrategy threads) and across worker processes
+(crossreplica.testing.run_workers), against plain torch on the whole batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+import crossreplica as cr
+from crossreplica.testing import run_workers
+
+# (engine, workers, replicas per worker)
+LAYOUTS = [
+    pytest.param(("threads", 1, 2), id="threads-1x2"),
+    pytest.param(("processes", 2, 1), id="processes-2x1", marks=pytest.mark.multiprocess),
+]
+
+STEPS, ROWS, LR = 3, 8, 0.1
+
+
+def run_main(main, layout, *args) -> list:
+    """``main(strategy, *args)`` once per worker of ``layout``; the per-worker results."""
+    engine, workers, per_worker = layout
+    if engine == "threads":
+        return [main(cr.MirroredStrategy(per_worker), *args)]
+    return run_workers(main, workers, per_worker, args=args)
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(ROWS, 3, generator=g), torch.randn(ROWS, 1, generator=g)) for _ in range(STEPS)]
+
+
+def _fresh_model() -> torch.nn.Module:
+    torch.manual_seed(1)
+    return torch.nn.Linear(3, 1)
+
+
+def _plain_torch(weight_decay: float = 0.0) -> list[torch.Tensor]:
+    """One device, the whole batch, the mean loss (plus an L2 term counted once)."""
+    model = _fresh_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for x, y in _batches():
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean() + weight_decay * model.weight.pow(2).sum()
+        loss.backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _params(strategy, model) -> list[list[torch.Tensor]]:
+    return [[p.detach().clone() for p in m.parameters()] for m in strategy.experimental_local_results(model)]
+
+
+# ------------------------------------------------------------------ 3. the default replica context
+
+
+def test_default_replica_context_outside_any_strategy():
+    ctx = cr.get_replica_context()
+    assert ctx is not None and ctx.replica_id_in_sync_group == 0 and ctx.num_replicas_in_sync == 1
+    assert ctx.strategy is cr.get_strategy() and ctx.devices == (torch.device("cpu"),)
+    x = torch.tensor([1.5, -2.0])
+    for op in ("sum", "mean", cr.ReduceOp.MAX):
+        assert torch.equal(ctx.all_reduce(op, x), x)
+    assert torch.equal(ctx.all_reduce("sum", {"a": x})["a"], x)
+    assert torch.equal(ctx.all_gather(x, 0), x)
+    with pytest.raises(ValueError, match="reduce_op"):
+        ctx.all_reduce("median", x)
+
+    def merge_fn(strategy, v, k=0):
+        assert cr.in_cross_replica_context() and cr.get_replica_context() is None
+        return strategy, v + k
+
+    strategy, v = ctx.merge_call(merge_fn, args=(x,), kwargs={"k": 1})
+    assert strategy is cr.get_strategy() and torch.equal(v, x + 1)
+    assert cr.get_replica_context() is ctx and not cr.has_strategy()  # the frame is popped again
+
+
+def test_replica_context_is_none_in_cross_replica_context_and_the_replicas_own_in_run():
+    s = cr.MirroredStrategy(2)
+    with s.scope():
+        assert cr.get_replica_context() is None
+    ids = s.experimental_local_results(s.run(lambda: cr.get_replica_context().replica_id_in_sync_group))
+    assert ids == (0, 1)
+    # the library still tells "outside any strategy" from "inside a replica function"
+    assert s.experimental_local_results(s.run(cr.replica_id)) == (0, 1)
+    with pytest.raises(cr.ReplicaContextError, match="outside any strategy"):
+        cr.all_reduce(torch.ones(1))
+    bn, sync = torch.nn.BatchNorm1d(2), cr.nn.SyncBatchNorm(2)
+    x = torch.randn(4, 2)
+    torch.testing.assert_close(sync(x), bn(x))
+
