@@ -61,6 +61,34 @@ def _params(strategy, model) -> list[list[torch.Tensor]]:
     return [[p.detach().clone() for p in m.parameters()] for m in strategy.experimental_local_results(model)]
 
 
+# ------------------------------------------------------------------ 2. experimental_distribute_dataset
+
+
+def _both_datasets(strategy) -> tuple[list, list]:
+    data = [torch.arange(12.0).reshape(6, 2) + 100 * i for i in range(2)]
+    a = [strategy.experimental_local_results(b) for b in strategy.experimental_distribute_dataset(data)]
+    b = [strategy.experimental_local_results(b) for b in strategy.distribute_dataset(data)]
+    return a, b
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_experimental_distribute_dataset_is_distribute_dataset(layout):
+    for rank, (a, b) in enumerate(run_main(_both_datasets, layout)):
+        assert len(a) == len(b) == 2
+        n = layout[1] * layout[2]
+        for i, (parts_a, parts_b) in enumerate(zip(a, b)):
+            whole = torch.arange(12.0).reshape(6, 2) + 100 * i
+            for j, (pa, pb) in enumerate(zip(parts_a, parts_b)):
+                replica = rank * layout[2] + j
+                assert torch.equal(pa, pb)
+                assert torch.equal(pa, whole[replica * 6 // n:(replica + 1) * 6 // n])
+
+
+def test_experimental_distribute_dataset_refuses_options():
+    with pytest.raises(ValueError, match="options has no crossreplica counterpart.*pass None"):
+        cr.MirroredStrategy(2).experimental_distribute_dataset([torch.ones(2, 1)], options="anything")
+
+
 # ------------------------------------------------------------------ 3. the default replica context
 
 
