@@ -127,3 +127,70 @@ def test_replica_context_is_none_in_cross_replica_context_and_the_replicas_own_i
     x = torch.randn(4, 2)
     torch.testing.assert_close(sync(x), bn(x))
 
+
+# ------------------------------------------------------------------ 4. compute_average_loss, scale_regularization_loss
+
+
+def test_compute_average_loss_sums_to_the_global_mean():
+    s = cr.MirroredStrategy(2)
+    loss = torch.rand(8)
+    weight = torch.rand(8)
+    parts = s.experimental_distribute_values_from_function(lambda ctx: ctx.replica_id_in_sync_group)
+
+    def fn(r):
+        mine, w = loss[4 * r:4 * r + 4], weight[4 * r:4 * r + 4]
+        return (cr.nn.compute_average_loss(mine), cr.nn.compute_average_loss(mine, sample_weight=w),
+                cr.nn.compute_average_loss(mine, sample_weight=w[:, None]),
+                cr.nn.compute_average_loss(mine, global_batch_size=10),
+                cr.nn.compute_average_loss(mine, global_batch_size=torch.tensor(10)))
+
+    out = s.experimental_local_results(s.run(fn, args=(parts,)))
+    total = [sum(o[k] for o in out) for k in range(5)]
+    torch.testing.assert_close(total[0], loss.mean())
+    torch.testing.assert_close(total[1], (loss * weight).sum() / 8)
+    torch.testing.assert_close(total[2], (loss * weight).sum() / 8)
+    torch.testing.assert_close(total[3], loss.sum() / 10)
+    torch.testing.assert_close(total[4], loss.sum() / 10)
+    # outside any strategy: one replica, the plain mean; a 2-d loss sums every entry
+    two_d = torch.rand(4, 3)
+    torch.testing.assert_close(cr.nn.compute_average_loss(two_d), two_d.sum() / 4)
+    assert cr.nn.compute_average_loss(loss.double()).dtype == torch.float64
+
+
+def test_compute_average_loss_rejects_bad_input():
+    x = torch.rand(4)
+    with pytest.raises(ValueError, match="per_example_loss must have rank >= 1.*reduction='none'"):
+        cr.nn.compute_average_loss(x.mean())
+    with pytest.raises(TypeError, match="per_example_loss must be a floating-point tensor"):
+        cr.nn.compute_average_loss(torch.arange(4))
+    for bad in (2.5, 0, -3, True, torch.tensor(4.0), torch.tensor([4])):
+        with pytest.raises(ValueError, match="global_batch_size must be"):
+            cr.nn.compute_average_loss(x, global_batch_size=bad)
+    with pytest.raises(ValueError, match=r"sample_weight of shape \[3\] does not broadcast to per_example_loss "
+                                         r"of shape \[4\]"):
+        cr.nn.compute_average_loss(x, sample_weight=torch.ones(3))
+    with pytest.raises(ValueError, match="empty per_example_loss.*global_batch_size="):
+        cr.nn.compute_average_loss(torch.zeros(0))
+    with cr.MirroredStrategy(2).scope():
+        with pytest.raises(cr.ReplicaContextError, match="compute_average_loss was called in cross-replica"):
+            cr.nn.compute_average_loss(x)
+        torch.testing.assert_close(cr.nn.compute_average_loss(x, global_batch_size=8), x.sum() / 8)
+
+
+def test_scale_regularization_loss():
+    s = cr.MirroredStrategy(4)
+    reg = torch.tensor([1.0, 2.0, 5.0])
+    out = s.experimental_local_results(s.run(
+        lambda: (cr.nn.scale_regularization_loss(reg), cr.nn.scale_regularization_loss([reg[0], reg[1:]]))))
+    for a, b in out:
+        torch.testing.assert_close(a, reg.sum() / 4)
+        torch.testing.assert_close(b, reg.sum() / 4)
+    torch.testing.assert_close(cr.nn.scale_regularization_loss(reg), reg.sum())  # default strategy
+    assert float(cr.nn.scale_regularization_loss(3)) == 3.0
+    with pytest.raises(TypeError, match=r"regularization_loss\[1\] must be a floating-point tensor"):
+        cr.nn.scale_regularization_loss([reg, "x"])
+    with pytest.raises(ValueError, match="empty list"):
+        cr.nn.scale_regularization_loss([])
+    with s.scope(), pytest.raises(cr.ReplicaContextError, match="scale_regularization_loss was called in cross"):
+        cr.nn.scale_regularization_loss(reg)
+
