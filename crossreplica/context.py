@@ -1,10 +1,11 @@
 """Strategy and replica contexts: a thread-local stack, as in tf.distribute.
 
 Layer: contexts, just above values/groups and below collectives. This module
-imports nothing of crossreplica but errors and reduce_op: what it needs from a
-strategy is the typed :class:`StrategyLike` / :class:`ReplicaHost` interface
-below, and the default strategy comes from a factory the strategies layer
-registers (:func:`register_default_strategy`).
+imports nothing of crossreplica but errors, reduce_op and values (it tells a
+distributed value which replica runs: ``values.register_local_index``). What it
+needs from a strategy is the typed :class:`StrategyLike` / :class:`ReplicaHost`
+interface below, and the default strategy comes from a factory the strategies
+layer registers (:func:`register_default_strategy`).
 
 Entering ``strategy.scope()`` pushes a cross-replica frame; each replica thread
 of ``strategy.run`` pushes a replica frame holding its :class:`ReplicaContext`;
@@ -19,6 +20,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Protocol
 from collections.abc import Callable, Iterator
 
+from . import values
 from .errors import ReplicaAborted, ReplicaContextError
 from .reduce_op import ReduceOp
 
@@ -172,6 +174,21 @@ def in_cross_replica_context() -> bool:
     """True inside ``strategy.scope()`` (or ``merge_fn``) but not in a replica function."""
     t = top()
     return t is not None and t[1] is None
+
+
+def _local_index() -> "tuple[int, int] | None":
+    """(index, count) of the running replica among the local ones, for a distributed value
+    used as its copy; in an update context its device's; else None."""
+    t = top()
+    if t is not None and t[1] is not None and not isinstance(t[1], _DefaultReplicaContext):
+        return t[1].local_index, len(t[1]._host.worker_devices)
+    update = current_update()
+    if update is not None:
+        return update[1], len(update[0].extended.worker_devices)
+    return None
+
+
+values.register_local_index(_local_index)
 
 
 def current_replica_context() -> "ReplicaContext | None":

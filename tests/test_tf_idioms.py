@@ -61,6 +61,101 @@ def _params(strategy, model) -> list[list[torch.Tensor]]:
     return [[p.detach().clone() for p in m.parameters()] for m in strategy.experimental_local_results(model)]
 
 
+# ------------------------------------------------------------------ 1. closure-captured model and optimizer
+
+
+def _train(strategy, form: str) -> list[list[torch.Tensor]]:
+    with strategy.scope():  # as TF's tutorial: build the model and optimizer under the scope
+        model = strategy.mirror(_fresh_model())
+        if form == "closure":
+            opt = strategy.run(lambda: cr.CrossShardOptimizer(torch.optim.SGD(model.parameters(), lr=LR)))
+        else:
+            opt = strategy.run(lambda m: cr.CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=LR)),
+                               args=(model,))
+
+    def closure_step(x, y):
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    def explicit_step(m, o, x, y):
+        o.zero_grad()
+        loss = ((m(x) - y) ** 2).mean()
+        loss.backward()
+        o.step()
+        return loss.detach()
+
+    for x, y in strategy.distribute_dataset(_batches()):
+        if form == "closure":
+            strategy.run(closure_step, args=(x, y))
+        else:
+            strategy.run(explicit_step, args=(model, opt, x, y))
+    return _params(strategy, model)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_closure_captured_model_and_optimizer_train_like_plain_torch(layout):
+    closure = [p for worker in run_main(_train, layout, "closure") for p in worker]
+    explicit = [p for worker in run_main(_train, layout, "explicit") for p in worker]
+    expected = _plain_torch()
+    assert len(closure) == len(explicit) == layout[1] * layout[2]
+    for got, same in zip(closure, explicit):
+        for g, s, e in zip(got, same, expected):
+            assert torch.equal(g, s)  # the same computation, bit for bit
+            torch.testing.assert_close(g, e)
+    assert any(not torch.equal(e, p) for e, p in zip(expected, _fresh_model().parameters()))  # it trained
+
+
+def test_distributed_value_outside_a_replica_is_an_error_naming_the_fix():
+    s = cr.MirroredStrategy(2)
+    model = s.mirror(torch.nn.Linear(3, 1))
+    opt = s.run(lambda: cr.CrossShardOptimizer(torch.optim.SGD(model.parameters(), lr=LR)))
+    fix = r"strategy\.run.*experimental_local_results"
+    with pytest.raises(cr.ReplicaContextError, match=r"this Mirrored of Linear .*cross-replica context.*" + fix):
+        model(torch.ones(1, 3))
+    with pytest.raises(cr.ReplicaContextError, match=r"this PerReplica of CrossShardOptimizer .*" + fix):
+        opt.step()
+    with s.scope(), pytest.raises(cr.ReplicaContextError, match="Mirrored of Linear"):
+        model.parameters()
+    merged = s.run(lambda: cr.get_replica_context().merge_call(lambda st: _raises(lambda: model.weight)))
+    assert merged is True  # merge_fn runs in cross-replica context: no single copy there either
+    assert getattr(model, "weight", "absent") == "absent" and not hasattr(model, "bias")  # AttributeError too
+    with pytest.raises(AttributeError, match="_private"):
+        s.run(lambda: model._private)  # private names are never forwarded
+    # copying and pickling a distributed value look up no replica
+    assert isinstance(copy.deepcopy(model), cr.Mirrored)
+    assert torch.equal(pickle.loads(pickle.dumps(cr.Mirrored([torch.ones(2)]))).values[0], torch.ones(2))
+
+
+def _raises(fn) -> bool:
+    try:
+        fn()
+    except cr.ReplicaContextError:
+        return True
+    return False
+
+
+def test_each_replica_gets_its_own_copy_and_a_foreign_value_is_refused():
+    s = cr.MirroredStrategy(3)
+    model = s.mirror(torch.nn.Linear(2, 2))
+    xs = s.experimental_distribute_values_from_function(lambda ctx: torch.zeros(ctx.replica_id_in_sync_group + 1))
+    out = s.experimental_local_results(s.run(lambda: (model.local_value(), xs.shape[0], xs.local_value())))
+    assert [o[0] for o in out] == list(model.values) and [o[1] for o in out] == [1, 2, 3]
+    assert all(o[2] is x for o, x in zip(out, xs.values))
+    other = cr.MirroredStrategy(2)
+    with pytest.raises(ValueError, match="holds 3 values, but the running strategy has 2 local replicas"):
+        other.run(lambda: model(torch.ones(2)))
+
+
+def test_update_context_picks_the_devices_copy():
+    s = cr.MirroredStrategy(2)
+    m = s.mirror(torch.zeros(1))
+    out = s.extended.update_non_slot(s.extended.non_slot_devices(None), lambda: m.local_value(), group=False)
+    assert out[0] is m.values[0] and out[1] is m.values[1]
+
+
 # ------------------------------------------------------------------ 2. experimental_distribute_dataset
 
 
@@ -193,4 +288,36 @@ def test_scale_regularization_loss():
         cr.nn.scale_regularization_loss([])
     with s.scope(), pytest.raises(cr.ReplicaContextError, match="scale_regularization_loss was called in cross"):
         cr.nn.scale_regularization_loss(reg)
+
+
+WEIGHT_DECAY = 0.01
+
+
+def _train_tf_tutorial(strategy) -> list[list[torch.Tensor]]:
+    """TF's custom-training loop: per-example loss, compute_average_loss, scaled L2, summed gradients."""
+    with strategy.scope():
+        model = strategy.mirror(_fresh_model())
+        opt = strategy.run(lambda: cr.CrossShardOptimizer(torch.optim.SGD(model.parameters(), lr=LR), "sum"))
+
+    def step(x, y):
+        opt.zero_grad()
+        per_example = ((model(x) - y) ** 2).squeeze(1)
+        loss = cr.nn.compute_average_loss(per_example, global_batch_size=ROWS)
+        loss = loss + cr.nn.scale_regularization_loss(WEIGHT_DECAY * model.weight.pow(2).sum())
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    for x, y in strategy.experimental_distribute_dataset(_batches()):
+        strategy.run(step, args=(x, y))
+    return _params(strategy, model)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tf_tutorial_loop_trains_like_plain_torch(layout):
+    expected = _plain_torch(WEIGHT_DECAY)
+    for worker in run_main(_train_tf_tutorial, layout):
+        for got in worker:
+            for g, e in zip(got, expected):
+                torch.testing.assert_close(g, e)
 
