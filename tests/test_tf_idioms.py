@@ -321,3 +321,40 @@ def test_tf_tutorial_loop_trains_like_plain_torch(layout):
             for g, e in zip(got, expected):
                 torch.testing.assert_close(g, e)
 
+
+# ------------------------------------------------------------------ 5. torch.compile of a mirrored model
+
+
+def _compile_available() -> bool:
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception:  # noqa: BLE001 - any failure means no torch.compile here
+        return False
+    return hasattr(torch, "compile")
+
+
+@pytest.mark.skipif(not _compile_available(), reason="torch.compile (torch._dynamo) is not available")
+def test_torch_compile_of_a_mirrored_model_matches_eager():
+    torch._dynamo.reset()
+    s = cr.MirroredStrategy(2)
+    model = s.mirror(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)))
+    xs = s.experimental_distribute_values_from_function(
+        lambda ctx: torch.randn(5, 3, generator=torch.Generator().manual_seed(ctx.replica_id_in_sync_group)))
+
+    def inner(x):  # compiling the model the replica function calls, inside it
+        return torch.compile(model, backend="eager")(x)
+
+    compiled_step = torch.compile(lambda x: model(x).sum(), backend="eager")  # a compiled replica function
+    eager = s.experimental_local_results(s.run(lambda x: model(x), args=(xs,)))
+    for fn in (inner, compiled_step):
+        got = s.experimental_local_results(s.run(fn, args=(xs,)))
+        want = eager if fn is inner else tuple(e.sum() for e in eager)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+    # each replica used its own copy: change one copy and the compiled call follows
+    with torch.no_grad():
+        model.values[1][0].bias.add_(1.0)
+    got = s.experimental_local_results(s.run(inner, args=(xs,)))
+    torch.testing.assert_close(got[0], eager[0])
+    assert not torch.allclose(got[1], eager[1])
+    torch.testing.assert_close(got[1], model.values[1](xs.values[1]))
