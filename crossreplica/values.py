@@ -53,7 +53,10 @@ class LocalValueError(ReplicaContextError, AttributeError):
 
 
 class DistributedValues:
-    """Base class: one value per local replica, in local replica order."""
+    """Base class: one value per local replica, in local replica order.
+
+    Inside a replica function it acts as the running replica's value, as TF's do: calling
+    it, and reading or setting a public attribute, go to that value (:meth:`local_value`)."""
 
     __slots__ = ("_values",)
 
@@ -96,6 +99,13 @@ class DistributedValues:
         if name.startswith("_"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(self.local_value(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A public name sets the running replica's copy's attribute (``model.training = False``).
+        if name in DistributedValues.__slots__ or name.startswith("_"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.local_value(), name, value)
 
     def __repr__(self) -> str:
         body = ", ".join(f"{i}: {v!r}" for i, v in enumerate(self._values))

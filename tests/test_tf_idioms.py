@@ -144,6 +144,14 @@ def test_each_replica_gets_its_own_copy_and_a_foreign_value_is_refused():
     out = s.experimental_local_results(s.run(lambda: (model.local_value(), xs.shape[0], xs.local_value())))
     assert [o[0] for o in out] == list(model.values) and [o[1] for o in out] == [1, 2, 3]
     assert all(o[2] is x for o, x in zip(out, xs.values))
+    # strategy.run(model, ...) as in TF: each replica calls its copy
+    outs = s.experimental_local_results(s.run(model, args=(cr.PerReplica([torch.ones(2)] * 3),)))
+    assert all(torch.equal(o, m(torch.ones(2))) for o, m in zip(outs, model.values))
+    # setting a public attribute sets this replica's copy's; outside a replica it is an error
+    s.run(lambda: setattr(model, "training", cr.replica_id() != 1))
+    assert [m.training for m in model.values] == [True, False, True]
+    with pytest.raises(cr.ReplicaContextError, match="Mirrored of Linear"):
+        model.training = False
     other = cr.MirroredStrategy(2)
     with pytest.raises(ValueError, match="holds 3 values, but the running strategy has 2 local replicas"):
         other.run(lambda: model(torch.ones(2)))
