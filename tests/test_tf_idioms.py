@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -127,6 +128,29 @@ def test_distributed_value_outside_a_replica_is_an_error_naming_the_fix():
     # copying and pickling a distributed value look up no replica
     assert isinstance(copy.deepcopy(model), cr.Mirrored)
     assert torch.equal(pickle.loads(pickle.dumps(cr.Mirrored([torch.ones(2)]))).values[0], torch.ones(2))
+
+
+SHARED = torch.nn.Linear(2, 1)
+
+
+def _uses_shared_global(x):
+    return SHARED(x)
+
+
+def test_a_plain_module_captured_by_the_replica_function_warns_naming_mirror():
+    s = cr.MirroredStrategy(2)
+    plain, mirrored, frozen = torch.nn.Linear(2, 1), s.mirror(torch.nn.Linear(2, 1)), torch.nn.Linear(2, 1)
+    frozen.requires_grad_(False)
+    x = torch.ones(1, 2)
+    with pytest.warns(cr.logs.SharedModuleWarning, match=r"the replica function <lambda> uses 'plain', a Linear "
+                      r"with trainable parameters that all 2 replicas share.*plain = strategy\.mirror\(plain\)"):
+        s.run(lambda: plain(x))
+    with pytest.warns(cr.logs.SharedModuleWarning, match="_uses_shared_global uses 'SHARED'"):
+        s.run(_uses_shared_global, args=(x,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s.run(lambda: (mirrored(x), frozen(x)))  # a mirrored model, a frozen one: no warning
+        cr.OneDeviceStrategy().run(lambda: plain(x))  # one replica shares with nobody
 
 
 def _raises(fn) -> bool:
