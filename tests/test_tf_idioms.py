@@ -22,7 +22,7 @@ from crossreplica.testing import run_workers
 # (engine, workers, replicas per worker)
 LAYOUTS = [
     pytest.param(("threads", 1, 2), id="threads-1x2"),
-    pytest.param(("processes", 2, 1), id="processes-2x1", marks=pytest.mark.multiprocess),
+    pytest.param(("processes", 2, 2), id="processes-2x2", marks=pytest.mark.multiprocess),
 ]
 
 STEPS, ROWS, LR = 3, 8, 0.1
@@ -192,7 +192,7 @@ def test_update_context_picks_the_devices_copy():
 
 
 def _both_datasets(strategy) -> tuple[list, list]:
-    data = [torch.arange(12.0).reshape(6, 2) + 100 * i for i in range(2)]
+    data = [torch.arange(16.0).reshape(8, 2) + 100 * i for i in range(2)]
     a = [strategy.experimental_local_results(b) for b in strategy.experimental_distribute_dataset(data)]
     b = [strategy.experimental_local_results(b) for b in strategy.distribute_dataset(data)]
     return a, b
@@ -204,11 +204,11 @@ def test_experimental_distribute_dataset_is_distribute_dataset(layout):
         assert len(a) == len(b) == 2
         n = layout[1] * layout[2]
         for i, (parts_a, parts_b) in enumerate(zip(a, b)):
-            whole = torch.arange(12.0).reshape(6, 2) + 100 * i
+            whole = torch.arange(16.0).reshape(8, 2) + 100 * i
             for j, (pa, pb) in enumerate(zip(parts_a, parts_b)):
                 replica = rank * layout[2] + j
                 assert torch.equal(pa, pb)
-                assert torch.equal(pa, whole[replica * 6 // n:(replica + 1) * 6 // n])
+                assert torch.equal(pa, whole[replica * 8 // n:(replica + 1) * 8 // n])
 
 
 def test_experimental_distribute_dataset_refuses_options():
