@@ -109,6 +109,38 @@ def test_closure_captured_model_and_optimizer_train_like_plain_torch(layout):
     assert any(not torch.equal(e, p) for e, p in zip(expected, _fresh_model().parameters()))  # it trained
 
 
+def _train_closure_by(strategy, how: str) -> list[torch.Tensor]:
+    model = strategy.mirror(_fresh_model())
+    opt = strategy.run(lambda: cr.CrossShardOptimizer(torch.optim.SGD(model.parameters(), lr=LR)))
+
+    def step(batch):
+        x, y = batch
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+
+    batches = iter(strategy.experimental_distribute_dataset(_batches()))
+    if how == "steps":
+        strategy.experimental_run_steps(step, batches, STEPS)
+    else:
+        for batch in batches:
+            strategy.run(step, args=(batch,))
+    return [p.detach().clone() for m in strategy.experimental_local_results(model) for p in m.parameters()]
+
+
+def test_closure_form_in_multi_step_loops_and_the_layout_invariant_mode():
+    by_run = _train_closure_by(cr.MirroredStrategy(2), "run")
+    assert all(torch.equal(a, b) for a, b in zip(_train_closure_by(cr.MirroredStrategy(2), "steps"), by_run))
+    expected = _plain_torch()
+    for got in (by_run[:2], by_run[2:]):
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e)
+    # the layout-invariant mode: the same bits on 2 and 4 replicas
+    two, four = (_train_closure_by(cr.MirroredStrategy(n, layout_invariant=cr.LayoutInvariant(micro_batches=4)), "run")
+                 for n in (2, 4))
+    assert all(torch.equal(a, b) for a, b in zip(two[:2], four[:2])) and len(four) == 8
+
+
 def test_distributed_value_outside_a_replica_is_an_error_naming_the_fix():
     s = cr.MirroredStrategy(2)
     model = s.mirror(torch.nn.Linear(3, 1))
