@@ -1,10 +1,11 @@
 """Strategy and replica contexts: a thread-local stack, as in tf.distribute.
 
 Layer: contexts, just above values/groups and below collectives. This module
-imports nothing of crossreplica but errors and reduce_op: what it needs from a
-strategy is the typed :class:`StrategyLike` / :class:`ReplicaHost` interface
-below, and the default strategy comes from a factory the strategies layer
-registers (:func:`register_default_strategy`).
+imports nothing of crossreplica but errors, reduce_op and values (it tells a
+distributed value which replica runs: ``values.register_local_index``). What it
+needs from a strategy is the typed :class:`StrategyLike` / :class:`ReplicaHost`
+interface below, and the default strategy comes from a factory the strategies
+layer registers (:func:`register_default_strategy`).
 
 Entering ``strategy.scope()`` pushes a cross-replica frame; each replica thread
 of ``strategy.run`` pushes a replica frame holding its :class:`ReplicaContext`;
@@ -19,6 +20,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Protocol
 from collections.abc import Callable, Iterator
 
+from . import values
 from .errors import ReplicaAborted, ReplicaContextError
 from .reduce_op import ReduceOp
 
@@ -35,6 +37,7 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "get_replica_context",
+    "current_replica_context",
     "register_default_strategy",
     "update_context",
     "current_update",
@@ -92,6 +95,7 @@ _stack = _Stack()
 _default_factory: Callable[[], Any] | None = None
 _default_strategy: Any = None
 _default_lock = threading.Lock()
+_default_replica_context: "ReplicaContext | None" = None
 
 
 def register_default_strategy(factory: Callable[[], Any]) -> None:
@@ -99,9 +103,9 @@ def register_default_strategy(factory: Callable[[], Any]) -> None:
 
     The strategies layer registers its single-replica strategy here, so this
     module never imports a layer above it."""
-    global _default_factory, _default_strategy
+    global _default_factory, _default_strategy, _default_replica_context
     with _default_lock:
-        _default_factory, _default_strategy = factory, None
+        _default_factory, _default_strategy, _default_replica_context = factory, None, None
 
 
 def push(strategy: StrategyLike, replica_context: "ReplicaContext | None") -> None:
@@ -172,10 +176,39 @@ def in_cross_replica_context() -> bool:
     return t is not None and t[1] is None
 
 
-def get_replica_context() -> "ReplicaContext | None":
-    """The current replica's context; None outside a replica function."""
+def _local_index() -> "tuple[int, int] | None":
+    """(index, count) of the running replica among the local ones, for a distributed value
+    used as its copy; in an update context its device's; else None."""
+    t = top()
+    if t is not None and t[1] is not None and not isinstance(t[1], _DefaultReplicaContext):
+        return t[1].local_index, len(t[1]._host.worker_devices)
+    update = current_update()
+    if update is not None:
+        return update[1], len(update[0].extended.worker_devices)
+    return None
+
+
+values.register_local_index(_local_index)
+
+
+def current_replica_context() -> "ReplicaContext | None":
+    """The context of the replica function running in this thread; None outside one (the
+    library's own test: the default replica context is not a replica function's)."""
     t = top()
     return t[1] if t is not None else None
+
+
+def get_replica_context() -> "ReplicaContext | None":
+    """The current replica's context, as TF's: inside a replica function its own; in
+    cross-replica context (``strategy.scope()``, ``merge_fn``) None; outside any strategy
+    the default strategy's single replica (id 0 of 1, ``all_reduce`` the identity)."""
+    t = top()
+    if t is not None:
+        return t[1]
+    global _default_replica_context
+    if _default_replica_context is None:
+        _default_replica_context = _DefaultReplicaContext(_default())
+    return _default_replica_context
 
 
 def require_replica_context(api: str) -> "ReplicaContext":
@@ -277,3 +310,44 @@ class ReplicaContext:
     def __repr__(self) -> str:
         return (f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, "
                 f"num_replicas_in_sync={self.num_replicas_in_sync})")
+
+
+class _DefaultReplicaContext(ReplicaContext):
+    """TF's default replica context: the one replica of the default strategy, outside any
+    strategy. Its reductions are the identity (one replica); ``merge_call`` runs
+    ``merge_fn`` at once in the default strategy's cross-replica context."""
+
+    __slots__ = ()
+
+    def __init__(self, strategy: Any):
+        super().__init__(strategy, 0, 0, strategy.extended.engine)  # the default strategy's engine
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return 1
+
+    def check_current(self, prefix: str, name: object = "") -> None:
+        """Always current: the default context belongs to no run."""
+
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any, options: Any = None) -> Any:
+        """``value`` itself: the SUM or MEAN (or MAX, ...) of one replica."""
+        ReduceOp.from_any(reduce_op, "reduce_op")
+        return value
+
+    def all_gather(self, value: Any, axis: int) -> Any:
+        """``value`` itself: the concatenation of one replica's value."""
+        if isinstance(axis, bool) or not isinstance(axis, int):
+            raise TypeError(f"axis must be an int; got {axis!r}")
+        return value
+
+    def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (),
+                   kwargs: dict | None = None) -> Any:
+        """Runs ``merge_fn(strategy, *args, **kwargs)`` in cross-replica context."""
+        if not callable(merge_fn):
+            raise TypeError(f"merge_fn must be callable; got {merge_fn!r}")
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"args must be a tuple of positional arguments; got {args!r}")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise TypeError(f"kwargs must be a dict or None; got {kwargs!r}")
+        with frame(self._strategy, None):
+            return merge_fn(self._strategy, *args, **(kwargs or {}))

@@ -30,11 +30,12 @@ from torch.nn import init
 from .arguments import check_int
 from .torch_private import BatchNormBase
 from .collectives import all_reduce
-from .context import get_replica_context
+from . import context
+from .context import current_replica_context
 from .groups import Groups, contiguous_groups, group_of, resolve_groups
-from .errors import summarize
+from .errors import ReplicaContextError, summarize
 
-__all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
+__all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "compute_average_loss", "scale_regularization_loss"]
 
 
 # What convert_sync_batchnorm carries over (absent ones are None: no affine, no running stats).
@@ -108,7 +109,7 @@ class SyncBatchNorm(BatchNormBase):
         if input.shape[1] != self.num_features:
             raise ValueError(f"SyncBatchNorm({self.num_features}) got an input with {input.shape[1]} "
                              f"channels (shape {list(input.shape)}); dim 1 must be the channels")
-        rctx = get_replica_context()
+        rctx = current_replica_context()
         if not self.training or rctx is None:
             return self._local(input)
         if rctx.micro_batch is not None:
@@ -209,3 +210,115 @@ def convert_sync_batchnorm(module: tnn.Module, group_assignment: Any = None, *,
                            num_shards_per_group: int | None = None) -> tnn.Module:
     """``SyncBatchNorm.convert_sync_batchnorm``: every BatchNorm layer of ``module`` made a SyncBatchNorm."""
     return SyncBatchNorm.convert_sync_batchnorm(module, group_assignment, num_shards_per_group=num_shards_per_group)
+
+
+# ------------------------------------------------------------------ TF's loss scaling (tf.nn)
+
+
+def _replicas_in_sync(api: str) -> int:
+    """``num_replicas_in_sync`` of the replica (or of the default strategy outside any);
+    in cross-replica context a ReplicaContextError, as TF's RuntimeError."""
+    if context.in_cross_replica_context():
+        raise ReplicaContextError(
+            f"cr.nn.{api} was called in cross-replica context (strategy.scope() or merge_fn); call it "
+            f"inside the replica function that strategy.run runs")
+    return context.get_strategy().num_replicas_in_sync
+
+
+def compute_average_loss(per_example_loss: torch.Tensor, sample_weight: Any = None,
+                         global_batch_size: Any = None) -> torch.Tensor:
+    """TF's ``tf.nn.compute_average_loss``: ``sum(per_example_loss * sample_weight) /
+    global_batch_size``, so that summing every replica's result (what a MEAN-reducing
+    optimizer's gradient is) gives the mean over the global batch.
+
+    Args:
+        per_example_loss: a floating tensor of rank >= 1, one row per example.
+        sample_weight: None, a number or a tensor broadcastable to ``per_example_loss``
+            (a trailing or missing size-1 dimension is squeezed or added, as in TF).
+        global_batch_size: a positive integer; None is this replica's rows times
+            ``num_replicas_in_sync`` (exact only when every replica has as many rows).
+
+    Raises:
+        TypeError: ``per_example_loss`` is not a floating tensor.
+        ValueError: a rank-0 ``per_example_loss``, shapes that do not broadcast, or a
+            ``global_batch_size`` that is not a positive integer.
+        ReplicaContextError: called in cross-replica context without ``global_batch_size``.
+    """
+    if not isinstance(per_example_loss, torch.Tensor) or not per_example_loss.is_floating_point():
+        raise TypeError(f"per_example_loss must be a floating-point tensor with one entry per example; got "
+                        f"{summarize(per_example_loss)}")
+    if per_example_loss.dim() < 1:
+        raise ValueError(
+            f"per_example_loss must have rank >= 1 (one entry per example); got a scalar "
+            f"{summarize(per_example_loss)}: compute the loss with reduction='none'")
+    loss = per_example_loss
+    if sample_weight is not None:
+        loss = loss * _broadcast_weight(sample_weight, loss)
+    if global_batch_size is None:
+        n = _replicas_in_sync("compute_average_loss")
+        rctx = context.current_replica_context()
+        if rctx is not None and rctx.micro_batch is not None:
+            raise ValueError("cr.nn.compute_average_loss needs global_batch_size in the layout-invariant mode: "
+                             "the rows of a micro-batch times the replica count are not the global batch")
+        global_batch_size = per_example_loss.shape[0] * n
+        if global_batch_size == 0:
+            raise ValueError("cr.nn.compute_average_loss got an empty per_example_loss, so the global batch size "
+                             "cannot be inferred; pass global_batch_size=")
+    size = _check_batch_size(global_batch_size)
+    return (loss.sum() / size).to(per_example_loss.dtype)
+
+
+def _check_batch_size(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.is_floating_point() or value.is_complex() or value.dtype is torch.bool:
+            raise ValueError(f"global_batch_size must be an integer (a scalar integer tensor or an int); got "
+                             f"{summarize(value)}")
+        if int(value) <= 0:
+            raise ValueError(f"global_batch_size must be positive; got {int(value)}")
+        return value
+    return check_int(value, "global_batch_size", low=1, hint=" (the number of examples in the global batch)")
+
+
+def _broadcast_weight(sample_weight: Any, loss: torch.Tensor) -> torch.Tensor:
+    """``sample_weight`` as a tensor broadcastable to ``loss`` (TF's squeeze_or_expand_dimensions)."""
+    w = torch.as_tensor(sample_weight, device=loss.device)
+    if not (w.is_floating_point() or w.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)):
+        raise TypeError(f"sample_weight must hold real numbers; got {summarize(sample_weight)}")
+    if w.dim() == loss.dim() + 1 and w.shape[-1] == 1:
+        w = w.squeeze(-1)
+    elif w.dim() == loss.dim() - 1 and w.dim() > 0:
+        w = w.unsqueeze(-1)
+    try:
+        torch.broadcast_shapes(w.shape, loss.shape)
+    except RuntimeError:
+        raise ValueError(f"sample_weight of shape {list(w.shape)} does not broadcast to per_example_loss of "
+                         f"shape {list(loss.shape)}") from None
+    return w
+
+
+def scale_regularization_loss(regularization_loss: Any) -> torch.Tensor:
+    """TF's ``tf.nn.scale_regularization_loss``: ``sum(regularization_loss) /
+    num_replicas_in_sync``, so the replicas' summed gradients count it once.
+
+    Args:
+        regularization_loss: a floating tensor (summed), a number, or a list of them.
+
+    Raises:
+        TypeError: anything else. ReplicaContextError: called in cross-replica context.
+    """
+    if isinstance(regularization_loss, (list, tuple)):
+        if not regularization_loss:
+            raise ValueError("regularization_loss is an empty list; pass a tensor or a list of tensors")
+        parts = [_as_loss(v, f"regularization_loss[{i}]") for i, v in enumerate(regularization_loss)]
+        total = torch.stack([p.sum() for p in parts]).sum()
+    else:
+        total = _as_loss(regularization_loss, "regularization_loss").sum()
+    return total / _replicas_in_sync("scale_regularization_loss")
+
+
+def _as_loss(value: Any, name: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.tensor(float(value))
+    raise TypeError(f"{name} must be a floating-point tensor or a number; got {summarize(value)}")

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from collections import abc
 from typing import Any
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from . import nest
 from .arguments import check_int
-from .errors import summarize
+from .errors import ReplicaContextError, summarize
 
 __all__ = [
     "DistributedValues",
@@ -29,11 +29,34 @@ __all__ = [
     "regroup",
     "select_replica",
     "select_replica_mirrored",
+    "register_local_index",
 ]
+
+# Where the running replica sits among the local replicas: ``() -> (index, local count)``,
+# or None in cross-replica context. The context layer registers it (values sits below it).
+def _no_replica() -> "tuple[int, int] | None":
+    return None
+
+
+_local_index: Callable[[], "tuple[int, int] | None"] = _no_replica
+
+
+def register_local_index(fn: Callable[[], "tuple[int, int] | None"]) -> None:
+    """Sets how a distributed value finds the running replica's copy (the context layer's)."""
+    global _local_index
+    _local_index = fn
+
+
+class LocalValueError(ReplicaContextError, AttributeError):
+    """A distributed value was used as its replica's copy outside a replica function. Also an
+    AttributeError, so ``getattr(value, name, default)`` and ``hasattr`` keep working."""
 
 
 class DistributedValues:
-    """Base class: one value per local replica, in local replica order."""
+    """Base class: one value per local replica, in local replica order.
+
+    Inside a replica function it acts as the running replica's value, as TF's do: calling
+    it, and reading or setting a public attribute, go to that value (:meth:`local_value`)."""
 
     __slots__ = ("_values",)
 
@@ -49,6 +72,40 @@ class DistributedValues:
 
     def __len__(self) -> int:
         return len(self._values)
+
+    def local_value(self) -> Any:
+        """The running replica's copy: inside ``strategy.run`` (or an update context) the value
+        of this replica; elsewhere a LocalValueError (a ReplicaContextError) saying what to do."""
+        where = _local_index()
+        what = f"{type(self).__name__} of {type(self._values[0]).__name__}"
+        if where is None:
+            raise LocalValueError(
+                f"this {what} stands for one copy per replica, so it has no single value in cross-replica "
+                f"context (outside strategy.run); use it inside the replica function that strategy.run "
+                f"runs, or pick a copy with strategy.experimental_local_results(value)[i]")
+        index, count = where
+        if count != len(self._values):
+            raise ValueError(
+                f"this {what} holds {len(self._values)} values, but the running strategy has {count} local "
+                f"replicas; use it with the strategy that made it")
+        return self._values[index]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Calls the running replica's copy (a mirrored model: its forward)."""
+        return self.local_value()(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only public names: the running replica's copy's (``model.parameters``, ``opt.step``).
+        if name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self.local_value(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A public name sets the running replica's copy's attribute (``model.training = False``).
+        if name in DistributedValues.__slots__ or name.startswith("_"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.local_value(), name, value)
 
     def __repr__(self) -> str:
         body = ", ".join(f"{i}: {v!r}" for i, v in enumerate(self._values))

@@ -124,7 +124,7 @@ class Variable:
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Variable":
-        rctx = context.get_replica_context()
+        rctx = context.current_replica_context()
         if rctx is None or not (args or kwargs):  # (no arguments: copy / pickle)
             return super().__new__(cls)
         # Every replica creates it: one variable, made once in cross-replica context.
@@ -210,7 +210,7 @@ class Variable:
 
     def _local(self) -> torch.Tensor | None:
         """This replica's copy, or None in cross-replica context."""
-        rctx = context.get_replica_context()
+        rctx = context.current_replica_context()
         if rctx is None:
             update = context.current_update()
             if update is not None and update[0] is self._strategy:
@@ -303,7 +303,7 @@ class Variable:
             self._update_cross_replica(kind, value, argname)
         else:
             t = self._convert(value, local.device, argname)
-            if context.get_replica_context() is None:  # an update context: this copy only (TF)
+            if context.current_replica_context() is None:  # an update context: this copy only (TF)
                 _apply(local, kind, t)
             elif self._sync is VariableSynchronization.ON_WRITE and self._strategy.num_replicas_in_sync > 1:
                 rctx = context.require_replica_context(f"{self._what()}.{kind}")
@@ -340,14 +340,14 @@ class Variable:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """``{"value": ...}``: the value read in cross-replica context (ON_READ: the aggregate,
         a collective across workers, so every worker calls it, as ``cr.save`` does)."""
-        if context.get_replica_context() is not None:
+        if context.current_replica_context() is not None:
             raise ReplicaContextError(f"{self._what()}.state_dict must be called in cross-replica context "
                                       f"(outside strategy.run), as cr.save is")
         return {"value": self.value().detach().clone()}
 
     def load_state_dict(self, state_dict: Any) -> None:
         """Restores what :meth:`state_dict` returned (assigned in cross-replica context)."""
-        if context.get_replica_context() is not None:
+        if context.current_replica_context() is not None:
             raise ReplicaContextError(f"{self._what()}.load_state_dict must be called in cross-replica "
                                       f"context (outside strategy.run), as cr.load is")
         if not isinstance(state_dict, dict) or "value" not in state_dict:

@@ -17,7 +17,8 @@ def test_default_strategy_outside_any_scope():
     assert cr.get_strategy() is s  # one default, not a new one per call
     assert not cr.has_strategy()
     assert not cr.in_cross_replica_context()
-    assert cr.get_replica_context() is None
+    ctx = cr.get_replica_context()  # TF's default replica context: one replica
+    assert ctx.replica_id_in_sync_group == 0 and ctx.num_replicas_in_sync == 1 and ctx.strategy is s
 
 
 @pytest.mark.parametrize("make", [cr.OneDeviceStrategy, lambda: cr.MirroredStrategy(num_replicas=2)],

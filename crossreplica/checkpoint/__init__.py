@@ -61,7 +61,7 @@ __all__ = ["save", "load"]
 
 
 def _resolve(strategy: Any, api: str) -> Any:
-    if context.get_replica_context() is not None:
+    if context.current_replica_context() is not None:
         raise ReplicaContextError(
             f"cr.{api} must be called in cross-replica context (outside strategy.run), once per "
             f"process; it saves or loads the state every replica shares")

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from ..torch_private import are_functorch_transforms_active, view_base
-from ..context import ReplicaContext, get_replica_context
+from ..context import ReplicaContext, current_replica_context
 from ..engines.base import Call, Kind
 from ..engines.wire import execute_on_wire
 from ..groups import Groups, group_of
@@ -61,7 +61,7 @@ def raw(rctx: ReplicaContext, kind: Kind, groups: Groups, params: tuple,
     # in a later run with the forward's context (fine), while a replica thread
     # abandoned by a failed run still holds its old one (rejected). Autograd's
     # device threads hold none.
-    current = get_replica_context()
+    current = current_replica_context()
     if current is not None:
         current.check_current("cr.", kind)
         device = current.device

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from .. import torch_private as tp
-from ..context import get_replica_context
+from ..context import current_replica_context
 from ..errors import summarize
 from ..groups import group_of
 
@@ -62,7 +62,7 @@ def reduce_before_scaler(opt: Any) -> bool:
     gradients (unless ``synchronize()`` already did) and answers True."""
     try:
         opt._amp_late = False
-        rctx = get_replica_context()
+        rctx = current_replica_context()
         if rctx is not None and rctx.micro_batch is not None:
             raise ValueError(
                 "torch.amp.GradScaler cannot be used in the layout-invariant mode: its scale would change "

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from .. import torch_private as tp
-from ..context import get_replica_context
+from ..context import current_replica_context
 from ..engines.base import INPLACE, Call, Kind, Pending
 from ..engines.wire import start_on_wire
 from ..groups import Groups, group_of
@@ -146,7 +146,7 @@ class OverlappedReduction:
     def on_grad(self, p: torch.Tensor) -> None:
         if not self.enabled:
             return
-        rctx = get_replica_context()
+        rctx = current_replica_context()
         if rctx is None or rctx.micro_batch is not None:
             return  # the layout-invariant mode reduces at the step, by its fixed tree
         if not self._queued:  # the first gradient of this backward: no bucket has started

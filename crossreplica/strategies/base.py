@@ -71,7 +71,7 @@ class Strategy(LogicalDeviceMethods, TFCompatMethods):
             raise TypeError(f"args must be a tuple or list of positional arguments; got {summarize(args)}")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs must be a dict or None; got {summarize(kwargs)}")
-        if context.get_replica_context() is not None:
+        if context.current_replica_context() is not None:
             raise ReplicaContextError(
                 "strategy.run was called inside a replica function; call it from the main program "
                 "(cross-replica context)")
@@ -80,6 +80,7 @@ class Strategy(LogicalDeviceMethods, TFCompatMethods):
             args = args[:-1]
         kwargs = kwargs or {}
         self._check_distributed(("args", args), ("kwargs", kwargs), run=True)
+        self._check_captured(fn)
         with self.scope():
             results = self.extended.call_for_each_replica(fn, args, kwargs)
         return regroup(results, always_wrap=self.extended.always_wrap)
@@ -104,10 +105,35 @@ class Strategy(LogicalDeviceMethods, TFCompatMethods):
                         f"{type(self).__name__} has {n} local replicas; build it with one value per "
                         f"replica (strategy.experimental_local_results shows the layout)")
 
+    def _check_captured(self, fn: Callable[..., Any]) -> None:
+        """A SharedModuleWarning for a plain module with trainable parameters that ``fn`` takes
+        from its closure or its globals: every replica would train that one object."""
+        n = len(self.extended.worker_devices)
+        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+        if n == 1 or code is None:
+            return
+        fn = getattr(fn, "__func__", fn)
+        found = []
+        for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+            try:
+                found.append((name, cell.cell_contents))
+            except ValueError:  # a cell not yet assigned
+                pass
+        names = getattr(fn, "__globals__", {})
+        found += [(name, names[name]) for name in code.co_names if name in names]
+        for name, value in found:
+            if isinstance(value, torch.nn.Module) and any(p.requires_grad for p in value.parameters()):
+                warnings.warn(
+                    f"the replica function {code.co_name} uses {name!r}, a {type(value).__name__} with trainable "
+                    f"parameters that all {n} replicas share: their backward passes would add into the same .grad "
+                    f"and their optimizers step the same tensors. Make it {name} = strategy.mirror({name}): "
+                    f"inside strategy.run a cr.Mirrored is each replica's own copy", SharedModuleWarning,
+                    stacklevel=3)
+
     # ------------------------------------------------------------ cross-replica API
 
     def _require_cross_replica(self, api: str) -> None:
-        if context.get_replica_context() is not None:
+        if context.current_replica_context() is not None:
             raise ReplicaContextError(
                 f"strategy.{api} must be called in cross-replica context (outside strategy.run); "
                 f"inside a replica function use cr.all_reduce / cr.all_gather")

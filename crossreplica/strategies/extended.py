@@ -329,7 +329,7 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
         return self.collective_timeout(timeout)
 
     def _require_cross_replica(self, api: str) -> None:
-        if context.get_replica_context() is not None:
+        if context.current_replica_context() is not None:
             raise ReplicaContextError(
                 f"strategy.extended.{api} must be called in cross-replica context (outside "
                 f"strategy.run, or in a merge_call's merge_fn); inside a replica function use "

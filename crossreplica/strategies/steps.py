@@ -76,7 +76,7 @@ class MultiStepContext:
         if not isinstance(name, str):
             raise ValueError(f"name must be a string naming the output; got {summarize(name)}")
         op = None if reduce_op is None else ReduceOp.from_any(reduce_op, "reduce_op")
-        rctx = context.get_replica_context()
+        rctx = context.current_replica_context()
         if rctx is None:
             self._last_step_outputs_reduce_ops[name] = op
             self._last_step_outputs[name] = (output if op is None
@@ -100,7 +100,7 @@ class MultiStepContext:
         replica's value is kept (a tuple, in local order): there is nothing to reduce."""
         if not isinstance(name, str):
             raise ValueError(f"name must be a string naming the output; got {summarize(name)}")
-        rctx = context.get_replica_context()
+        rctx = context.current_replica_context()
         if rctx is None:
             self._non_tensor_outputs[name] = output
             return
@@ -124,7 +124,7 @@ def _check_iterator(iterator: Any) -> Iterator[Any]:
 
 
 def _require_cross_replica(api: str) -> None:
-    if context.get_replica_context() is not None:
+    if context.current_replica_context() is not None:
         raise ReplicaContextError(
             f"{api} must be called in cross-replica context (from the main program, outside strategy.run)")
 

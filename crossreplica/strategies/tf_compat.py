@@ -54,6 +54,16 @@ class TFCompatMethods:
         """``run`` under its TF 2.0 / 2.1 name (TF's ``experimental_run_v2``)."""
         return self.run(fn, args, kwargs)  # type: ignore[attr-defined]
 
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        """``distribute_dataset`` under TF's name: each global batch split along dim 0, one
+        part per replica. ``options`` (TF's ``tf.distribute.InputOptions``) has no
+        counterpart here: only None is accepted."""
+        if options is not None:
+            raise ValueError(
+                f"options has no crossreplica counterpart (TF's tf.distribute.InputOptions); pass None, "
+                f"got {summarize(options)}")
+        return self.distribute_dataset(dataset)  # type: ignore[attr-defined]
+
 
 class TFCompatExtended:
     """The ``strategy.extended`` side: worker facts and non-slot updates."""
@@ -135,7 +145,7 @@ class TFCompatExtended:
             ValueError: ``colocate_with`` names no devices, or a Mirrored argument has
                 another number of values.
         """
-        if context.get_replica_context() is not None:
+        if context.current_replica_context() is not None:
             raise ReplicaContextError(
                 "strategy.extended.update_non_slot must be called in cross-replica context (outside "
                 "strategy.run, or in a merge_call's merge_fn)")
