@@ -1,0 +1,187 @@
+"""TF parity: what TF code does with a strategy, its ``extended`` and its cross-device ops that
+crossreplica now does the same way (issue 21, item 3).
+
+Variables as destinations (TF's optimizer pattern), cross-device ops refused in a replica
+function, ``call_for_each_replica``'s optional arguments, TF's ``reduce_implementation``
+signature, ``worker_devices`` inside a logical device, ``extended`` outliving its strategy
+and ``cr.save`` into a missing directory. Behaviour both engines share runs on threads and
+on worker processes (LAYOUTS), against values computed here with plain torch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import crossreplica as cr
+from crossreplica.testing import run_workers
+
+# (engine, workers, replicas per worker)
+LAYOUTS = [
+    pytest.param(("threads", 1, 4), id="threads-1x4"),
+    pytest.param(("processes", 2, 2), id="processes-2x2", marks=pytest.mark.multiprocess),
+]
+
+
+def run_main(main, layout, *args) -> list:
+    """``main(strategy, *args)`` once per worker of ``layout``; the per-worker results."""
+    engine, workers, per_worker = layout
+    if engine == "threads":
+        return [main(cr.MirroredStrategy(per_worker), *args)]
+    return run_workers(main, workers, per_worker, args=args)
+
+
+def _per_replica(strategy, fn):
+    """A PerReplica with ``fn(global replica id)`` for each local replica."""
+    return strategy.experimental_distribute_values_from_function(lambda ctx: fn(ctx.replica_id_in_sync_group))
+
+
+def _grad(r: int) -> torch.Tensor:
+    return torch.tensor([float(r + 1), -2.0 * r, 0.5])
+
+
+# ------------------------------------------------------------------ 1. a cr.Variable as destinations
+
+
+def _optimizer_pattern_main(strategy) -> dict:
+    """TF's optimizer: batch_reduce_to(SUM, [(grad, var)]) then extended.update(var, fn, ...)."""
+    ext = strategy.extended
+    with strategy.scope():
+        w = cr.Variable(torch.ones(3), name="w")
+        b = cr.Variable(torch.zeros(3), name="b")
+    grads = _per_replica(strategy, _grad)
+    reduced = ext.batch_reduce_to("sum", [(grads, w), (grads, b)])
+    for g, var in zip(reduced, (w, b)):
+        ext.update(var, lambda v, g: v.sub_(0.5 * g), args=(g,))
+    one = ext.reduce_to("mean", grads, w)
+    ops = ext.cross_device_ops
+    with strategy.scope():
+        direct = ops.reduce("sum", grads, w)
+        (batched,) = ops.batch_reduce("max", [(grads, w)])
+        copies = ops.broadcast(torch.arange(3.0), w)
+    return {"w": [c.tolist() for c in w.values], "b": [c.tolist() for c in b.values],
+            "reduced": [[c.tolist() for c in m.values] for m in reduced],
+            "mean": [c.tolist() for c in one.values], "direct": [c.tolist() for c in direct.values],
+            "max": [c.tolist() for c in batched.values], "broadcast": [c.tolist() for c in copies.values],
+            "devices": [str(c.device) for c in one.values] == [str(c.device) for c in w.values],
+            "distinct": len({c.data_ptr() for c in copies.values}) == len(w.values)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_variable_as_destinations_and_the_optimizer_pattern(layout):
+    _, workers, per_worker = layout
+    n = workers * per_worker
+    total = sum(_grad(r) for r in range(n))
+    expect = {"w": (torch.ones(3) - 0.5 * total).tolist(), "b": (-0.5 * total).tolist(),
+              "sum": total.tolist(), "mean": (total / n).tolist(),
+              "max": torch.stack([_grad(r) for r in range(n)]).amax(0).tolist()}
+    for res in run_main(_optimizer_pattern_main, layout):
+        assert res["w"] == [expect["w"]] * per_worker and res["b"] == [expect["b"]] * per_worker
+        assert res["reduced"] == [[expect["sum"]] * per_worker] * 2
+        assert res["direct"] == [expect["sum"]] * per_worker
+        torch.testing.assert_close(torch.tensor(res["mean"]), torch.tensor([expect["mean"]] * per_worker))
+        assert res["max"] == [expect["max"]] * per_worker
+        assert res["broadcast"] == [[0.0, 1.0, 2.0]] * per_worker
+        assert res["devices"] and res["distinct"]
+
+
+def test_bad_destinations_still_name_the_variable_option():
+    s = cr.MirroredStrategy(2)
+    with pytest.raises(ValueError, match=r"destinations must be .*cr\.Variable.*got int: 3"):
+        s.extended.reduce_to("sum", cr.PerReplica([torch.ones(1)] * 2), 3)
+
+
+# ------------------------------------------------------------------ 2. cross-device ops in a replica function
+
+
+@pytest.mark.parametrize("method", ["reduce", "batch_reduce", "broadcast"])
+@pytest.mark.parametrize("ops", [cr.AllReduceCrossDeviceOps(), cr.ReductionToOneDevice()], ids=repr)
+def test_cross_device_ops_refuse_a_replica_context(method, ops):
+    s = cr.MirroredStrategy(2)
+    calls = {"reduce": lambda x: ops.reduce("sum", x, x),
+             "batch_reduce": lambda x: ops.batch_reduce("sum", [(x, x)]),
+             "broadcast": lambda x: ops.broadcast(x, x)}
+    with pytest.raises(RuntimeError, match=rf"{type(ops).__name__}\.{method} must be called in "
+                                           r"cross-replica context.*merge_call"):
+        s.run(calls[method], args=(cr.PerReplica([torch.ones(2), torch.ones(2)]),))
+
+
+def test_cross_device_ops_work_in_a_merge_fn():
+    s = cr.MirroredStrategy(3)
+    ops = cr.ReductionToOneDevice()
+
+    def fn(x):
+        return cr.get_replica_context().merge_call(lambda strategy, v: ops.reduce("sum", v, "cpu").values[0],
+                                                    args=(x,))
+
+    xs = [torch.tensor([1.0, float(r)]) for r in range(3)]
+    out = s.run(fn, args=(cr.PerReplica(xs),))
+    assert all(torch.equal(o, xs[0] + xs[1] + xs[2]) for o in s.experimental_local_results(out))
+
+
+# ------------------------------------------------------------------ 5. TF's reduce_implementation signature
+
+
+class TFSignatureOps(cr.CrossDeviceOps):
+    """A user's subclass written for TF: four arguments, no reducer."""
+
+    def __init__(self):
+        self.seen: list = []
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        self.seen.append(("reduce", type(per_replica_value).__name__, destinations))
+        total = sum(v.double() for v in per_replica_value.values)  # a reduction of its own: in float64
+        return cr.Mirrored([total.to(torch.float32) * 10])
+
+
+class TFSignatureBatchOps(cr.AllReduceCrossDeviceOps):
+    """Overrides TF's batch_reduce_implementation and calls the parent as TF code does."""
+
+    def __init__(self):
+        self.seen: list = []
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        self.seen.append([type(v).__name__ for v, _ in value_destination_pairs])
+        return super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        self.seen.append("reduce")
+        return super().reduce_implementation(reduce_op, per_replica_value, destinations, options)
+
+
+def test_a_subclass_with_tfs_reduce_implementation_signature():
+    ops = TFSignatureOps()
+    s = cr.MirroredStrategy(2, cross_device_ops=ops)
+    xs = cr.PerReplica([torch.tensor([1.0, 2.0]), torch.tensor([3.0, 5.0])])
+    expected = (xs.values[0] + xs.values[1]) * 10
+    assert torch.equal(s.extended.reduce_to("sum", xs, "cpu").values[0], expected)
+    assert ops.seen == [("reduce", "PerReplica", "cpu")]
+    # the default batch_reduce_implementation goes through the TF-style reduce_implementation
+    out = s.extended.batch_reduce_to("sum", [(xs, "cpu"), (xs, xs)])
+    assert all(torch.equal(m.values[0], expected) for m in out)
+    assert torch.equal(s.reduce("sum", xs), expected)
+
+
+def test_a_subclass_with_tfs_batch_reduce_implementation_signature():
+    ops = TFSignatureBatchOps()
+    s = cr.MirroredStrategy(3, cross_device_ops=ops)
+    xs = cr.PerReplica([torch.tensor([1.0, float(r)]) for r in range(3)])
+    total = xs.values[0] + xs.values[1] + xs.values[2]
+    out = s.extended.batch_reduce_to("sum", [(xs, "cpu"), (xs, xs)])
+    assert ops.seen == [["PerReplica", "PerReplica"]]
+    assert torch.equal(out[0].values[0], total) and [torch.equal(v, total) for v in out[1].values] == [True] * 3
+    assert torch.equal(s.extended.reduce_to("mean", xs, "cpu").values[0], total / 3)
+    assert ops.seen[-1] == "reduce"
+
+
+def test_the_library_signature_still_gets_the_reducer():
+    class Mine(cr.AllReduceCrossDeviceOps):
+        def reduce_implementation(self, reduce_op, values, devices, options, reducer=None):
+            assert isinstance(values, list) and reducer is not None
+            return super().reduce_implementation(reduce_op, values, devices, options, reducer)
+
+    s = cr.MirroredStrategy(2, cross_device_ops=Mine())
+    xs = cr.PerReplica([torch.ones(2), 2 * torch.ones(2)])
+    assert torch.equal(s.reduce("sum", xs), torch.full((2,), 3.0))
+
+
