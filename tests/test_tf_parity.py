@@ -119,6 +119,35 @@ def test_cross_device_ops_work_in_a_merge_fn():
     assert all(torch.equal(o, xs[0] + xs[1] + xs[2]) for o in s.experimental_local_results(out))
 
 
+# ------------------------------------------------------------------ 3. call_for_each_replica
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_call_for_each_replica_takes_optional_args_and_regroups_like_run(replicas):
+    s = cr.MirroredStrategy(replicas)
+    ext = s.extended
+    xs = _per_replica(s, lambda r: torch.tensor([float(r), 1.0]))
+
+    def fn(x=None, k=1.0):
+        return cr.all_reduce(x * k, "sum")
+
+    forms = [ext.call_for_each_replica(fn, args=(xs,)),
+             ext.call_for_each_replica(fn, args=(xs,), kwargs=None),
+             ext.call_for_each_replica(fn, args=(xs,), kwargs={}),
+             ext.call_for_each_replica(fn, (xs,), {"k": 1.0}),
+             ext.call_for_each_replica(fn, kwargs={"x": xs})]
+    expected = torch.tensor([float(sum(range(replicas))), float(replicas)])
+    reference = s.run(fn, args=(xs,))
+    for out in forms:
+        assert type(out) is type(reference)
+        assert all(torch.equal(o, expected) for o in s.experimental_local_results(out))
+    none = ext.call_for_each_replica(lambda: cr.replica_id(), args=None, kwargs=None)
+    assert type(none) is type(s.run(lambda: cr.replica_id()))
+    assert list(s.experimental_local_results(none)) == list(range(replicas))
+    with pytest.raises(TypeError, match="kwargs must be a dict or None"):
+        ext.call_for_each_replica(fn, kwargs=[1])
+
+
 # ------------------------------------------------------------------ 5. TF's reduce_implementation signature
 
 
@@ -183,5 +212,58 @@ def test_the_library_signature_still_gets_the_reducer():
     s = cr.MirroredStrategy(2, cross_device_ops=Mine())
     xs = cr.PerReplica([torch.ones(2), 2 * torch.ones(2)])
     assert torch.equal(s.reduce("sum", xs), torch.full((2,), 3.0))
+
+
+# ------------------------------------------------------------------ 6. worker_devices inside a logical device
+
+
+def test_worker_devices_follow_the_active_logical_device():
+    s = cr.MirroredStrategy(2)
+    ext = s.extended
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    ext.set_logical_devices([(cpu, meta), (cpu, meta)])  # on a CPU machine: a second device to tell apart
+
+    def fn():
+        outside = ext.worker_devices
+        with ext.experimental_logical_device(1):
+            inside = ext.worker_devices
+            with ext.experimental_logical_device(0):
+                nested = ext.worker_devices
+        return outside, inside, nested, ext.worker_devices
+
+    for outside, inside, nested, after in s.experimental_local_results(s.run(fn)):
+        assert outside == nested == after == (cpu, cpu)
+        assert inside == (meta, meta)
+    assert ext.worker_devices == (cpu, cpu)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_worker_devices_follow_the_active_logical_device_on_cuda():
+    s = cr.MirroredStrategy(devices=["cpu", "cuda:0", "cpu", "cuda:0"], logical_devices_per_replica=2)
+
+    def fn():
+        with s.extended.experimental_logical_device(1):
+            return s.extended.worker_devices, torch.zeros(1).device
+
+    for inside, made in s.experimental_local_results(s.run(fn)):
+        assert inside == (torch.device("cuda:0"),) * 2 and made.type == "cuda"
+    assert s.extended.worker_devices == (torch.device("cpu"),) * 2
+
+
+# ------------------------------------------------------------------ 7. extended outliving its strategy
+
+
+def test_extended_works_after_the_strategy_is_dropped():
+    import gc
+
+    ext = cr.MirroredStrategy(2).extended
+    gc.collect()
+    xs = cr.PerReplica([torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])])
+    out = ext.reduce_to("sum", xs, "cpu")
+    assert torch.equal(out.values[0], torch.tensor([4.0, 6.0]))
+    (batched,) = ext.batch_reduce_to("mean", [(xs, xs)])
+    assert [v.tolist() for v in batched.values] == [[2.0, 3.0]] * 2
+    ran = ext.call_for_each_replica(lambda x: cr.all_reduce(x, "sum"), args=(xs,))
+    assert [v.tolist() for v in ran.values] == [[4.0, 6.0]] * 2
 
 

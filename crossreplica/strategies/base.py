@@ -81,7 +81,7 @@ class Strategy(LogicalDeviceMethods, TFCompatMethods):
         kwargs = kwargs or {}
         self._check_distributed(("args", args), ("kwargs", kwargs), run=True)
         with self.scope():
-            results = self.extended.call_for_each_replica(fn, args, kwargs)
+            results = self.extended.run_replicas(fn, args, kwargs)
         return regroup(results, always_wrap=self.extended.always_wrap)
 
     def _check_distributed(self, *named: tuple[str, Any], run: bool = False) -> None:

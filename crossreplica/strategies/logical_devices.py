@@ -72,17 +72,26 @@ _current = _Current()
 class LogicalDeviceExtended:
     """The ``strategy.extended`` side: which devices each local replica owns."""
 
-    worker_devices: tuple[torch.device, ...]
+    _worker_devices: tuple[torch.device, ...]
     _logical_groups: tuple[tuple[torch.device, ...], ...] | None = None
+
+    @property
+    def worker_devices(self) -> tuple[torch.device, ...]:
+        """The local replicas' devices, in local order: logical device 0 of each, or, inside
+        ``experimental_logical_device(j)`` (in this thread), logical device ``j`` of each (as TF)."""
+        j = _current.ids[-1] if _current.ids else 0
+        if j == 0 or self._logical_groups is None:
+            return self._worker_devices
+        return tuple(g[j] for g in self._logical_groups)
 
     def set_logical_devices(self, groups: Sequence[Sequence[torch.device]]) -> None:
         """Records the devices of each local replica (first = the replica's device)."""
         grouped = tuple(tuple(g) for g in groups)
-        if len(grouped) != len(self.worker_devices) or any(
-                not g or g[0] != d for g, d in zip(grouped, self.worker_devices)):
+        if len(grouped) != len(self._worker_devices) or any(
+                not g or g[0] != d for g, d in zip(grouped, self._worker_devices)):
             raise ValueError(
                 f"logical device groups {summarize(grouped)} must hold one group per local replica, "
-                f"starting with that replica's device {summarize(self.worker_devices)}")
+                f"starting with that replica's device {summarize(self._worker_devices)}")
         if len({len(g) for g in grouped}) != 1:
             raise ValueError(f"every replica must own the same number of logical devices; got {summarize(grouped)}")
         self._logical_groups = grouped
@@ -96,7 +105,7 @@ class LogicalDeviceExtended:
     def logical_devices(self) -> tuple[tuple[torch.device, ...], ...]:
         """Per local replica, its logical devices in order (logical device 0 is its own device)."""
         if self._logical_groups is None:
-            return tuple((d,) for d in self.worker_devices)
+            return tuple((d,) for d in self._worker_devices)
         return self._logical_groups
 
     def logical_device(self, logical_device_id: int) -> torch.device:
