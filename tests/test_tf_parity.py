@@ -10,6 +10,8 @@ on worker processes (LAYOUTS), against values computed here with plain torch.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -267,3 +269,26 @@ def test_extended_works_after_the_strategy_is_dropped():
     assert [v.tolist() for v in ran.values] == [[4.0, 6.0]] * 2
 
 
+# ------------------------------------------------------------------ 9. cr.save into a missing directory
+
+
+def _save_main(strategy, root) -> dict:
+    path = os.path.join(root, "a", "b", "ck.pt")
+    cr.save(path, {"w": torch.arange(3.0), "step": 7}, strategy=strategy)
+    loaded = cr.load(path, strategy=strategy)
+    return {"exists": os.path.isfile(path), "w": loaded["w"].tolist(), "step": loaded["step"]}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_save_creates_missing_directories(layout, tmp_path):
+    root = str(tmp_path / "run")
+    for res in run_main(_save_main, layout, root):
+        assert res == {"exists": True, "w": [0.0, 1.0, 2.0], "step": 7}
+    assert sorted(os.listdir(tmp_path / "run" / "a" / "b")) == ["ck.pt"]
+
+
+def test_save_names_a_directory_it_cannot_create(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OSError, match=r"cr.save: cannot create the directory .*file/sub"):
+        cr.save(blocker / "sub" / "ck.pt", {"x": torch.ones(1)}, strategy=cr.OneDeviceStrategy())
