@@ -3,14 +3,15 @@ crossreplica now does the same way (issue 21, item 3).
 
 Variables as destinations (TF's optimizer pattern), cross-device ops refused in a replica
 function, ``call_for_each_replica``'s optional arguments, TF's ``reduce_implementation``
-signature, ``worker_devices`` inside a logical device, ``extended`` outliving its strategy
-and ``cr.save`` into a missing directory. Behaviour both engines share runs on threads and
+signature, ``worker_devices`` inside a logical device, ``extended`` outliving its strategy,
+``cr.all_to_all`` with TF's keywords and ``cr.save`` into a missing directory. Behaviour both engines share runs on threads and
 on worker processes (LAYOUTS), against values computed here with plain torch.
 """
 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -292,3 +293,55 @@ def test_save_names_a_directory_it_cannot_create(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(OSError, match=r"cr.save: cannot create the directory .*file/sub"):
         cr.save(blocker / "sub" / "ck.pt", {"x": torch.ones(1)}, strategy=cr.OneDeviceStrategy())
+
+
+# ------------------------------------------------------------------ 8. all_to_all with TF's keywords
+
+TF_GROUPS = [[0, 2], [1, 3]]
+
+
+def _tf_all_to_all(x):
+    return {"tf": cr.all_to_all(x, concat_dimension=1, split_dimension=0, split_count=4),
+            "tf-grouped": cr.all_to_all(x, concat_dimension=0, split_dimension=1, split_count=2,
+                                        group_assignment=TF_GROUPS),
+            "mixed": cr.all_to_all(x, split_dim=0, concat_dimension=1),
+            "ours": cr.all_to_all(x, 0, 1)}
+
+
+def test_all_to_all_takes_tfs_keywords(run_replicas):
+    xs = [torch.arange(24.0).reshape(4, 6) + 100 * r for r in range(4)]
+    outs = run_replicas(_tf_all_to_all, 4, xs)
+    for r, out in enumerate(outs):
+        whole = torch.cat([x.chunk(4, 0)[r] for x in xs], 1)
+        group = next(g for g in TF_GROUPS if r in g)
+        grouped = torch.cat([xs[m].chunk(2, 1)[group.index(r)] for m in group], 0)
+        assert torch.equal(out["tf"], whole) and torch.equal(out["ours"], whole)
+        assert torch.equal(out["mixed"], whole) and torch.equal(out["tf-grouped"], grouped)
+
+
+def _bad_all_to_all(case):
+    x = torch.zeros(4, 4)
+    calls = {"count": lambda: cr.all_to_all(x, split_dimension=0, concat_dimension=0, split_count=3),
+             "bool-count": lambda: cr.all_to_all(x, 0, 0, split_count=True),
+             "both": lambda: cr.all_to_all(x, 0, 1, split_dimension=0),
+             "both-concat": lambda: cr.all_to_all(x, 0, 1, concat_dimension=1),
+             "missing": lambda: cr.all_to_all(x, concat_dimension=1)}
+    try:
+        calls[case]()
+    except (TypeError, ValueError) as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+@pytest.mark.parametrize("case,error,match", [
+    ("count", "ValueError", r"split_count=3 must equal the group size 2"),
+    ("bool-count", "ValueError", r"split_count=True must equal the group size 2"),
+    ("both", "TypeError", r"split_dim=0 and TF's split_dimension=0; they are one argument"),
+    ("both-concat", "TypeError", r"concat_dim=1 and TF's concat_dimension=1"),
+    ("missing", "TypeError", r"missing the argument split_dim \(TF's split_dimension\)"),
+])
+def test_all_to_all_tf_keyword_errors(case, error, match):
+    s = cr.MirroredStrategy(2)
+    for res in s.experimental_local_results(s.run(_bad_all_to_all, args=(case,))):
+        assert res is not None and res[0] == error
+        assert re.search(match, res[1]), res[1]
