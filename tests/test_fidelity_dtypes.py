@@ -52,10 +52,13 @@ def reference(op, dtype, xs):
         signed = [o - (1 << bits) if o >= 1 << (bits - 1) else o for o in out]
         return torch.tensor(signed, dtype={16: torch.int16, 32: torch.int32, 64: torch.int64}[bits]).view(dtype)
     wide = torch.float32 if dtype in LOW else dtype
+    # MEAN (but of float16) divides by a power of two 2**k >= n before the sum and multiplies
+    # after: the same bits as sum / n where that is finite, and no overflow where it is not
+    scale = float(1 << (len(xs) - 1).bit_length()) if op == "mean" and dtype is not torch.float16 else 1.0
     fs = {"sum": torch.add, "mean": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}
-    out = functools.reduce(fs[op], [x.to(wide) for x in xs])
+    out = functools.reduce(fs[op], [x.to(wide) / scale for x in xs])
     if op == "mean":
-        out = out / len(xs)
+        out = out / len(xs) * scale
     return out.to(dtype)
 
 

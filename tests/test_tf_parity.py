@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+from fractions import Fraction
 
 import pytest
 import torch
@@ -345,3 +346,85 @@ def test_all_to_all_tf_keyword_errors(case, error, match):
     for res in s.experimental_local_results(s.run(_bad_all_to_all, args=(case,))):
         assert res is not None and res[0] == error
         assert re.search(match, res[1]), res[1]
+
+
+# ------------------------------------------------------------------ 4. MEAN of huge finite values
+
+MEAN_DTYPES = [torch.bfloat16, torch.float32, torch.float64]
+HALVES = [[0, 1], [2, 3]]
+
+
+def _huge(dtype, r: int) -> torch.Tensor:
+    """Replica r's values: most above max/4, so their sum overflows while their mean does not."""
+    big = torch.finfo(dtype).max
+    return torch.tensor([0.9 * big, (0.3 + 0.1 * r) * big, -0.8 * big, 1.5 + r], dtype=torch.float64).to(dtype)
+
+
+def _exact_mean(xs) -> torch.Tensor:
+    """The mean of every replica's values, exactly (rational arithmetic), rounded to float64."""
+    cols = zip(*[[Fraction(v) for v in x.double().tolist()] for x in xs])
+    return torch.tensor([float(sum(c) / len(xs)) for c in cols], dtype=torch.float64)
+
+
+def _means(x):
+    return {"mean": cr.cross_replica_mean(x), "halves": cr.cross_replica_mean(x, HALVES),
+            "all_reduce": cr.all_reduce(x, "mean"), "scatter": cr.reduce_scatter(x, "mean"),
+            "replica_ctx": cr.get_replica_context().all_reduce("mean", x)}
+
+
+@pytest.mark.parametrize("dtype", MEAN_DTYPES, ids=str)
+def test_mean_of_huge_values_is_finite_in_replica_context(run_replicas, dtype):
+    xs = [_huge(dtype, r) for r in range(4)]
+    whole = _exact_mean(xs)
+    for r, out in enumerate(run_replicas(_means, 4, xs)):
+        half = _exact_mean([xs[i] for i in HALVES[r // 2]])
+        for key in ("mean", "all_reduce", "replica_ctx"):
+            assert out[key].dtype == dtype and bool(torch.isfinite(out[key]).all()), (key, out[key])
+            torch.testing.assert_close(out[key].double(), whole, rtol=torch.finfo(dtype).eps * 4, atol=0)
+        torch.testing.assert_close(out["halves"].double(), half, rtol=torch.finfo(dtype).eps * 4, atol=0)
+        torch.testing.assert_close(out["scatter"].double(), whole.chunk(4)[r], rtol=torch.finfo(dtype).eps * 4,
+                                   atol=0)
+
+
+def _strategy_means(strategy) -> list:
+    out = []
+    for dtype in MEAN_DTYPES:
+        xs = _per_replica(strategy, lambda r, dtype=dtype: _huge(dtype, r))
+        reduced = strategy.reduce("mean", xs)
+        to = strategy.extended.reduce_to("mean", xs, "cpu").values[0]
+        (batched,) = strategy.extended.batch_reduce_to("mean", [(xs, "cpu")])
+        out.append([t.double() for t in (reduced, to, batched.values[0])])
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_strategy_mean_of_huge_values_is_finite(layout):
+    _, workers, per_worker = layout
+    n = workers * per_worker
+    for res in run_main(_strategy_means, layout):
+        for dtype, got in zip(MEAN_DTYPES, res):
+            ref = _exact_mean([_huge(dtype, r) for r in range(n)])
+            for t in got:
+                torch.testing.assert_close(t, ref, rtol=torch.finfo(dtype).eps * 4, atol=0)
+
+
+def _ordinary(x):
+    return cr.cross_replica_mean(x), cr.cross_replica_mean(x, HALVES)
+
+
+@pytest.mark.parametrize("dtype", MEAN_DTYPES, ids=str)
+def test_mean_of_ordinary_values_keeps_its_bits(run_replicas, dtype):
+    g = torch.Generator().manual_seed(5)
+    xs = [(torch.randn(64, generator=g, dtype=torch.float64) * 10 ** r).to(dtype) for r in range(4)]
+    wide = torch.float32 if dtype is torch.bfloat16 else dtype
+
+    def plain(members):  # the sum in replica order, then / n: the result before the change
+        total = xs[members[0]].to(wide)
+        for i in members[1:]:
+            total = total + xs[i].to(wide)
+        return (total / len(members)).to(dtype)
+
+    s = cr.MirroredStrategy(4)
+    assert torch.equal(s.reduce("mean", cr.PerReplica(xs)), plain([0, 1, 2, 3]))
+    for r, (whole, half) in enumerate(run_replicas(_ordinary, 4, xs)):
+        assert torch.equal(whole, plain([0, 1, 2, 3])) and torch.equal(half, plain(HALVES[r // 2]))

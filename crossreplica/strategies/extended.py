@@ -28,7 +28,7 @@ from ..errors import ReplicaContextError, summarize
 from ..input_shards import split_sizes
 from ..micro_batches import LayoutInvariant, PendingGradients, replica_share
 from ..random_streams import draw_base, replica_stream, suspended
-from ..reduce_op import ReduceOp, from_wire, to_wire
+from ..reduce_op import ReduceOp, from_wire, mean_scale, to_wire
 from ..values import (
     DistributedValues,
     Mirrored,
@@ -280,8 +280,11 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
         # In the wire dtype (float16 sums in float32, rounded once; unsigned ints as
         # signed), as the collectives do, so every strategy and engine gives the same bytes.
         xs = [to_wire(op, t.to(device)) for t in tensors]
+        scale = mean_scale(op, len(xs), dtype)  # a MEAN of huge values: no overflow of the sum
+        if scale is not None:
+            xs = [x * (1.0 / scale) for x in xs]
         out = reduce_into(op, torch.empty_like(xs[0], memory_format=torch.contiguous_format), xs)
-        return from_wire(op, out, dtype)
+        return from_wire(op, out if scale is None else out.mul_(scale), dtype)
 
     def gather_values(self, tensors: Sequence[torch.Tensor], axis: int) -> torch.Tensor:
         """Concatenates one tensor per local replica over all replicas in sync."""
