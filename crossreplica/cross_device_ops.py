@@ -2,9 +2,11 @@
 
 A :class:`CrossDeviceOps` reduces a per-replica value (one tensor per local
 replica) and places the result on ``destinations``: a device string, a
-torch.device, a tensor (its device) or a DistributedValues (the device of each
-of its values). Results are always :class:`~crossreplica.values.Mirrored`,
-one copy per destination device, each a distinct tensor.
+torch.device, a tensor (its device), a DistributedValues (the device of each
+of its values) or a ``cr.Variable`` (the device of each copy, as TF's optimizers
+pass it). Like TF's, the ops work in cross-replica context only. Results are
+always :class:`~crossreplica.values.Mirrored`, one copy per destination device,
+each a distinct tensor.
 
 Layer: cross-device ops, above collectives and contexts, below strategies.
 What the ops need from a strategy is a :class:`Reducer` (the strategy's

@@ -239,6 +239,14 @@ def test_worker_devices_follow_the_active_logical_device():
         assert outside == nested == after == (cpu, cpu)
         assert inside == (meta, meta)
     assert ext.worker_devices == (cpu, cpu)
+    other = cr.MirroredStrategy(3).extended  # another strategy's devices are its own, in the block too
+    out = s.run(lambda: _in_logical_device(ext, 1, lambda: other.worker_devices))
+    assert out == (cpu,) * 3  # the same tuple on both replicas: regrouped to itself
+
+
+def _in_logical_device(ext, j, fn):
+    with ext.experimental_logical_device(j):
+        return fn()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

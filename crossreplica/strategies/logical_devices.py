@@ -60,10 +60,12 @@ def group_devices(devices: Sequence[torch.device], k: int) -> tuple[tuple[torch.
 
 
 class _Current(threading.local):
-    """The logical device each thread has made current (a stack; empty means 0)."""
+    """The logical device each thread has made current (a stack; empty means 0), and the
+    strategy machinery (``extended``) whose logical device it is."""
 
     def __init__(self) -> None:
         self.ids: list[int] = []
+        self.owners: list[object] = []
 
 
 _current = _Current()
@@ -80,7 +82,7 @@ class LogicalDeviceExtended:
         """The local replicas' devices, in local order: logical device 0 of each, or, inside
         ``experimental_logical_device(j)`` (in this thread), logical device ``j`` of each (as TF)."""
         j = _current.ids[-1] if _current.ids else 0
-        if j == 0 or self._logical_groups is None:
+        if j == 0 or self._logical_groups is None or _current.owners[-1] is not self:
             return self._worker_devices
         return tuple(g[j] for g in self._logical_groups)
 
@@ -135,6 +137,7 @@ class LogicalDeviceExtended:
         """
         device = self.logical_device(logical_device_id)
         _current.ids.append(int(logical_device_id))
+        _current.owners.append(self)
         try:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(torch.device(device))
@@ -143,6 +146,7 @@ class LogicalDeviceExtended:
                 yield device
         finally:
             _current.ids.pop()
+            _current.owners.pop()
 
 
 class LogicalDeviceMethods:
