@@ -401,8 +401,14 @@ def _strategy_means(strategy) -> list:
         reduced = strategy.reduce("mean", xs)
         to = strategy.extended.reduce_to("mean", xs, "cpu").values[0]
         (batched,) = strategy.extended.batch_reduce_to("mean", [(xs, "cpu")])
-        out.append([t.double() for t in (reduced, to, batched.values[0])])
+        rows = _per_replica(strategy, lambda r, dtype=dtype: _huge_rows(dtype, r))
+        along = strategy.reduce("mean", rows, axis=0)  # over every row of every replica
+        out.append([t.double() for t in (reduced, to, batched.values[0])] + [along.double()])
     return out
+
+
+def _huge_rows(dtype, r: int) -> torch.Tensor:
+    return torch.stack([_huge(dtype, r), _huge(dtype, (r + 1) % 4)])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -412,8 +418,10 @@ def test_strategy_mean_of_huge_values_is_finite(layout):
     for res in run_main(_strategy_means, layout):
         for dtype, got in zip(MEAN_DTYPES, res):
             ref = _exact_mean([_huge(dtype, r) for r in range(n)])
-            for t in got:
+            for t in got[:3]:
                 torch.testing.assert_close(t, ref, rtol=torch.finfo(dtype).eps * 4, atol=0)
+            rows = _exact_mean([row for r in range(n) for row in _huge_rows(dtype, r)])
+            torch.testing.assert_close(got[3], rows, rtol=torch.finfo(dtype).eps * 4, atol=0)
 
 
 def _ordinary(x):
@@ -434,5 +442,9 @@ def test_mean_of_ordinary_values_keeps_its_bits(run_replicas, dtype):
 
     s = cr.MirroredStrategy(4)
     assert torch.equal(s.reduce("mean", cr.PerReplica(xs)), plain([0, 1, 2, 3]))
+    total = xs[0].to(wide).sum(0)
+    for x in xs[1:]:
+        total = total + x.to(wide).sum(0)
+    assert torch.equal(s.reduce("mean", cr.PerReplica(xs), axis=0), (total / 256).to(dtype))
     for r, (whole, half) in enumerate(run_replicas(_ordinary, 4, xs)):
         assert torch.equal(whole, plain([0, 1, 2, 3])) and torch.equal(half, plain(HALVES[r // 2]))
