@@ -2,9 +2,11 @@
 
 A :class:`CrossDeviceOps` reduces a per-replica value (one tensor per local
 replica) and places the result on ``destinations``: a device string, a
-torch.device, a tensor (its device) or a DistributedValues (the device of each
-of its values). Results are always :class:`~crossreplica.values.Mirrored`,
-one copy per destination device, each a distinct tensor.
+torch.device, a tensor (its device), a DistributedValues (the device of each
+of its values) or a ``cr.Variable`` (the device of each copy, as TF's optimizers
+pass it). Like TF's, the ops work in cross-replica context only. Results are
+always :class:`~crossreplica.values.Mirrored`, one copy per destination device,
+each a distinct tensor.
 
 Layer: cross-device ops, above collectives and contexts, below strategies.
 What the ops need from a strategy is a :class:`Reducer` (the strategy's
@@ -49,9 +51,10 @@ from .devices import canonical_device
 from .packing import DEFAULT_BYTES_PER_PACK, flatten_pack, plan_packs
 from .timeouts import canonical_timeout
 from .reduce_op import ReduceOp, check_dtype, reduce_non_distributed_value
-from .values import DistributedValues, Mirrored
+from .values import DistributedValues, Mirrored, PerReplica
 from .errors import summarize
 from .replica_reduce import all_reduce_in_replica
+from .cross_device_compat import check_same_shapes, get_devices_from, require_cross_replica, takes_reducer
 
 __all__ = [
     "CommunicationOptions",
@@ -88,46 +91,6 @@ class CommunicationOptions:
 
 
 # --------------------------------------------------------------------------- destinations
-
-_DEST_HELP = ("a device string ('cpu', 'cuda:0'), a torch.device, a tensor (its device) or a "
-              "cr.DistributedValues (the device of each value)")
-
-
-def _device_of(x: Any) -> torch.device | None:
-    if isinstance(x, torch.Tensor):
-        return x.device
-    if isinstance(x, torch.nn.Module):
-        for tensor in x.parameters():
-            return tensor.device
-        for buffer in x.buffers():
-            return buffer.device
-        return torch.device("cpu")
-    return None
-
-
-def get_devices_from(destinations: Any, argname: str = "destinations") -> tuple[torch.device, ...]:
-    """The devices ``destinations`` names, in order."""
-    if isinstance(destinations, str):
-        if not destinations:
-            raise ValueError(f"{argname} must not be empty; pass {_DEST_HELP}")
-        return (canonical_device(destinations, argname),)
-    if isinstance(destinations, torch.device):
-        return (destinations,)
-    if isinstance(destinations, DistributedValues):
-        devices = []
-        for i, v in enumerate(destinations.values):
-            d = _device_of(v)
-            if d is None:
-                raise ValueError(
-                    f"{argname} is a {type(destinations).__name__} whose value {i} is "
-                    f"{type(v).__name__}, which has no device; its values must be tensors or modules")
-            devices.append(d)
-        return tuple(devices)
-    d = _device_of(destinations)
-    if d is not None:
-        return (d,)
-    raise ValueError(f"{argname} must be {_DEST_HELP}; got {type(destinations).__name__}: {summarize(destinations)}")
-
 
 def _as_tensor(x: Any, argname: str) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
@@ -180,6 +143,15 @@ def _local_values(value: Any, argname: str) -> list[torch.Tensor]:
     return [_as_tensor(v, f"{argname}.values[{i}]") for i, v in enumerate(value.values)]
 
 
+def _impl_args(values: Any, devices: Any, reducer: Reducer | None
+               ) -> tuple[list[torch.Tensor], tuple[torch.device, ...], Reducer]:
+    """An implementation's arguments, also when a subclass with TF's signature calls it as TF
+    does (``super().reduce_implementation(op, per_replica_value, destinations, options)``)."""
+    if isinstance(values, DistributedValues):
+        values = _local_values(values, "per_replica_value")
+    return values, get_devices_from(devices), _reducer(reducer)
+
+
 # --------------------------------------------------------------------------- base
 
 class CrossDeviceOps:
@@ -201,6 +173,7 @@ class CrossDeviceOps:
         Raises:
             ValueError: a bad op, value, destinations or options.
         """
+        require_cross_replica(self, "reduce")
         op = ReduceOp.from_any(reduce_op, "reduce_op")
         devices = get_devices_from(destinations)
         _check_options(options)
@@ -212,8 +185,8 @@ class CrossDeviceOps:
         values = _local_values(per_replica_value, "per_replica_value")
         for v in values:
             check_dtype(op, v.dtype, "per_replica_value")
-        _check_same_shapes(values, "per_replica_value")
-        return self.reduce_implementation(op, values, devices, options, reducer)
+        check_same_shapes(values, "per_replica_value")
+        return self._reduce_one(op, values, devices, destinations, options, reducer)
 
     def batch_reduce(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]],
                      options: CommunicationOptions | None = None, *,
@@ -225,7 +198,9 @@ class CrossDeviceOps:
         Raises:
             ValueError: ``value_destination_pairs`` is not a sequence of
                 (value, destinations) pairs, or an element is bad.
+            ReplicaContextError: called inside a replica function.
         """
+        require_cross_replica(self, "batch_reduce")
         op = ReduceOp.from_any(reduce_op, "reduce_op")
         _check_options(options)
         if isinstance(value_destination_pairs, (str, bytes)) or \
@@ -240,14 +215,14 @@ class CrossDeviceOps:
                     f"value_destination_pairs[{i}] must be a (value, destinations) tuple; got {summarize(pair)}")
             value, dest = pair
             devices = get_devices_from(dest, f"value_destination_pairs[{i}][1]")
-            pairs.append((value, devices))
+            pairs.append((value, devices, dest))
         if not pairs:
             return []
         reducer = _reducer(reducer)
         results: list[Any] = [None] * len(pairs)
-        batch: list[tuple[int, list[torch.Tensor], tuple[torch.device, ...]]] = []
+        batch: list[tuple[int, list[torch.Tensor], tuple[torch.device, ...], Any]] = []
         n_local = None
-        for i, (value, devices) in enumerate(pairs):
+        for i, (value, devices, dest) in enumerate(pairs):
             if not isinstance(value, DistributedValues):
                 t = _as_tensor(value, f"value_destination_pairs[{i}][0]")
                 n = reducer.num_replicas_in_sync
@@ -256,21 +231,26 @@ class CrossDeviceOps:
             values = _local_values(value, f"value_destination_pairs[{i}][0]")
             for v in values:
                 check_dtype(op, v.dtype, f"value_destination_pairs[{i}][0]")
-            _check_same_shapes(values, f"value_destination_pairs[{i}][0]")
+            check_same_shapes(values, f"value_destination_pairs[{i}][0]")
             if n_local is not None and len(values) != n_local:
                 raise ValueError(
                     f"value_destination_pairs[{i}][0] has {len(values)} values but the first "
                     f"distributed value has {n_local}; every value needs one entry per replica")
             n_local = len(values)
-            batch.append((i, values, devices))
+            batch.append((i, values, devices, dest))
         if batch:
-            outs = self.batch_reduce_implementation(op, [(v, d) for _, v, d in batch], options, reducer)
-            for (i, _, _), out in zip(batch, outs):
+            if takes_reducer(self, "batch_reduce_implementation"):
+                outs = self.batch_reduce_implementation(op, [(v, d) for _, v, d, _ in batch], options, reducer)
+            else:  # TF's signature: (reduce_op, value_destination_pairs, options)
+                tf_pairs: Any = [(PerReplica(v), dest) for _, v, _, dest in batch]
+                outs = self.batch_reduce_implementation(op, tf_pairs, options)  # type: ignore[call-arg]
+            for (i, _, _, _), out in zip(batch, outs):
                 results[i] = out
         return results
 
     def broadcast(self, tensor: Any, destinations: Any) -> Mirrored:
-        """``tensor`` copied to every device of ``destinations``."""
+        """``tensor`` copied to every device of ``destinations`` (cross-replica context)."""
+        require_cross_replica(self, "broadcast")
         devices = get_devices_from(destinations)
         return _copies(_as_tensor(tensor, "tensor"), devices, fresh=False)
 
@@ -291,47 +271,36 @@ class CrossDeviceOps:
         ops whose arithmetic is the engine's, and no ``timeout_seconds``."""
         return False
 
+    def _reduce_one(self, op: ReduceOp, values: list[torch.Tensor], devices: tuple[torch.device, ...],
+                    destinations: Any, options: CommunicationOptions | None, reducer: Reducer) -> Mirrored:
+        """:meth:`reduce_implementation` called with crossreplica's arguments, or with TF's
+        four (a PerReplica and the caller's destinations) when the override takes those."""
+        if takes_reducer(self, "reduce_implementation"):
+            return self.reduce_implementation(op, values, devices, options, reducer)
+        return self.reduce_implementation(op, PerReplica(values), destinations, options)  # type: ignore[call-arg,arg-type]
+
     # ---------------------------------------------------------------- to implement
 
     def reduce_implementation(self, reduce_op: ReduceOp, values: list[torch.Tensor],
                               devices: tuple[torch.device, ...], options: CommunicationOptions | None,
-                              reducer: Reducer) -> Mirrored:
+                              reducer: Reducer | None = None) -> Mirrored:
         """Reduces validated per-replica ``values`` onto ``devices`` (across replicas through
-        ``reducer``)."""
+        ``reducer``). An override may use TF's signature instead, ``(reduce_op,
+        per_replica_value, destinations, options)``: it then gets a PerReplica and the
+        caller's destinations (the ``reducer`` is ``cr.get_strategy().extended``)."""
         raise NotImplementedError(f"{type(self).__name__} must implement reduce_implementation")
 
     def batch_reduce_implementation(self, reduce_op: ReduceOp,
                                     pairs: list[tuple[list[torch.Tensor], tuple[torch.device, ...]]],
                                     options: CommunicationOptions | None,
-                                    reducer: Reducer) -> list[Mirrored]:
-        """Reduces validated pairs; the default reduces them one by one."""
-        return [self.reduce_implementation(reduce_op, v, d, options, reducer) for v, d in pairs]
+                                    reducer: Reducer | None = None) -> list[Mirrored]:
+        """Reduces validated pairs; the default reduces them one by one. An override may use
+        TF's signature, ``(reduce_op, value_destination_pairs, options)``."""
+        args = [_impl_args(v, d, reducer) for v, d in pairs]
+        return [self._reduce_one(reduce_op, v, d, dest, options, r) for (v, d, r), (_, dest) in zip(args, pairs)]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
-
-
-def _check_same_shapes(values: list[torch.Tensor], argname: str) -> None:
-    s0, d0 = values[0].shape, values[0].dtype
-    _check_layouts(values, argname)
-    for i, v in enumerate(values[1:], start=1):
-        if v.shape != s0 or v.dtype != d0:
-            raise ValueError(
-                f"{argname} must hold tensors of one shape and dtype; value 0 is {list(s0)} {d0}, "
-                f"value {i} is {list(v.shape)} {v.dtype}")
-
-
-def _check_layouts(values: list[torch.Tensor], argname: str) -> None:
-    """Dense or sparse COO (reduced by gather, never densified), the same on every replica."""
-    for i, v in enumerate(values):
-        if v.layout is not torch.strided and v.layout is not torch.sparse_coo:
-            raise TypeError(
-                f"{argname}.values[{i}] has layout {v.layout}; only strided (dense) and torch.sparse_coo "
-                f"tensors can be reduced (convert with x.to_sparse_coo() or x.to_dense())")
-        if v.layout is not values[0].layout:
-            raise ValueError(
-                f"{argname} must hold tensors of one layout; value 0 is {values[0].layout}, value {i} is "
-                f"{v.layout} (convert with x.to_dense() or x.to_sparse_coo())")
 
 
 # --------------------------------------------------------------------------- implementations
@@ -360,7 +329,8 @@ class ReductionToOneDevice(CrossDeviceOps):
 
     def reduce_implementation(self, reduce_op: ReduceOp, values: list[torch.Tensor],
                               devices: tuple[torch.device, ...], options: CommunicationOptions | None,
-                              reducer: Reducer) -> Mirrored:
+                              reducer: Reducer | None = None) -> Mirrored:
+        values, devices, reducer = _impl_args(values, devices, reducer)
         target = self.reduce_to_device or devices[0]
         local = [v.to(target) for v in values]
         if self.accumulation_fn is not None and reduce_op in (ReduceOp.SUM, ReduceOp.MEAN):
@@ -393,7 +363,8 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
 
     def reduce_implementation(self, reduce_op: ReduceOp, values: list[torch.Tensor],
                               devices: tuple[torch.device, ...], options: CommunicationOptions | None,
-                              reducer: Reducer) -> Mirrored:
+                              reducer: Reducer | None = None) -> Mirrored:
+        values, devices, reducer = _impl_args(values, devices, reducer)
         return _copies(reducer.reduce_values(reduce_op, values), devices)
 
     def replica_reductions_on_engine(self, options: CommunicationOptions | None = None) -> bool:
@@ -413,7 +384,9 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
     def batch_reduce_implementation(self, reduce_op: ReduceOp,
                                     pairs: list[tuple[list[torch.Tensor], tuple[torch.device, ...]]],
                                     options: CommunicationOptions | None,
-                                    reducer: Reducer) -> list[Mirrored]:
+                                    reducer: Reducer | None = None) -> list[Mirrored]:
+        args = [_impl_args(v, d, reducer) for v, d in pairs]
+        pairs, reducer = [(v, d) for v, d, _ in args], _reducer(reducer)
         limit = (options.bytes_per_pack if options is not None and options.bytes_per_pack
                  else DEFAULT_BYTES_PER_PACK)
         n_local = len(pairs[0][0])

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from .errors import summarize
 
-__all__ = ["WIRE_DTYPES", "ReduceOp", "from_wire", "to_wire", "wire_dtype"]
+__all__ = ["WIRE_DTYPES", "ReduceOp", "from_wire", "mean_scale", "to_wire", "wire_dtype"]
 
 
 class ReduceOp(enum.Enum):
@@ -136,3 +136,24 @@ def from_wire(op: ReduceOp | None, t: torch.Tensor, dtype: torch.dtype) -> torch
             t = t ^ _SIGNED[dtype][1]
         return t.contiguous().view(dtype)
     return t.to(dtype)
+
+
+# --------------------------------------------------------------------------- MEAN without overflow
+#
+# MEAN is the sum divided by n, so values above max/n overflow the sum although their
+# mean is finite. float16 cannot (its float32 wire sum holds any n of its values); for
+# bfloat16 (summed in float32), float32 and float64 the reducing layers divide every
+# value by a power of two 2**k >= n first and multiply the result by it after. Scaling
+# by a power of two is exact and commutes with every rounding of the sum and the
+# division, so the result is bitwise sum / n wherever that is finite and no scaled
+# value is subnormal (below 2**k times the smallest normal number).
+
+_SCALED_MEAN = frozenset((torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128))
+
+
+def mean_scale(op: ReduceOp, n: int, dtype: torch.dtype) -> float | None:
+    """The power of two ``2**k >= n`` a MEAN of ``n`` values of ``dtype`` scales its values by
+    (see above); None for another op, one value, or a dtype whose sum cannot overflow."""
+    if op is not ReduceOp.MEAN or n < 2 or dtype not in _SCALED_MEAN:
+        return None
+    return float(1 << (n - 1).bit_length())

@@ -123,6 +123,8 @@ class Variable:
         TypeError: MEAN aggregation of a dtype that is not floating point or complex.
     """
 
+    _cr_variable = True  # the cross-device ops (a lower layer) take it as destinations: its copies' devices
+
     def __new__(cls, *args: Any, **kwargs: Any) -> "Variable":
         rctx = context.current_replica_context()
         if rctx is None or not (args or kwargs):  # (no arguments: copy / pickle)

@@ -52,10 +52,13 @@ def reference(op, dtype, xs):
         signed = [o - (1 << bits) if o >= 1 << (bits - 1) else o for o in out]
         return torch.tensor(signed, dtype={16: torch.int16, 32: torch.int32, 64: torch.int64}[bits]).view(dtype)
     wide = torch.float32 if dtype in LOW else dtype
+    # MEAN (but of float16) divides by a power of two 2**k >= n before the sum and multiplies
+    # after: the same bits as sum / n where that is finite, and no overflow where it is not
+    scale = float(1 << (len(xs) - 1).bit_length()) if op == "mean" and dtype is not torch.float16 else 1.0
     fs = {"sum": torch.add, "mean": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}
-    out = functools.reduce(fs[op], [x.to(wide) for x in xs])
+    out = functools.reduce(fs[op], [x.to(wide) / scale for x in xs])
     if op == "mean":
-        out = out / len(xs)
+        out = out / len(xs) * scale
     return out.to(dtype)
 
 
@@ -75,9 +78,12 @@ def reference_axis(op, dtype, xs):
     local = {"sum": lambda t: t.sum(0), "mean": lambda t: t.sum(0), "prod": lambda t: t.prod(0),
              "max": lambda t: t.amax(0), "min": lambda t: t.amin(0)}[op]
     fs = {"sum": torch.add, "mean": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}
-    out = functools.reduce(fs[op], [local(x.to(wide)) for x in xs])
+    count = sum(len(x) for x in xs)
+    # MEAN scales by a power of two 2**k >= the count before the sums (reduce_op.mean_scale)
+    scale = float(1 << (count - 1).bit_length()) if op == "mean" else None
+    out = functools.reduce(fs[op], [local(x.to(wide) if scale is None else x.to(wide) / scale) for x in xs])
     if op == "mean":
-        out = out / sum(len(x) for x in xs)
+        out = out / count * scale
     # torch's own promotions (an int32 sum is int64) hold for the dtypes torch can reduce
     return out.to(dtype) if dtype in LOW else out
 

@@ -22,7 +22,7 @@ LAYERS: dict[str, int] = {
     "engines": 1,
     "context": 2,
     "collectives": 3,
-    "cross_device_ops": 4, "replica_reduce": 4,
+    "cross_device_ops": 4, "replica_reduce": 4, "cross_device_compat": 4,
     "strategies": 5, "optim": 5, "optim.amp": 5, "data": 5, "input_shards": 5, "nn": 5, "checkpoint": 5,
     "variables": 5,
     "checkpoint.state": 5, "checkpoint.per_replica": 5, "checkpoint.restore": 5, "checkpoint.fileio": 5,

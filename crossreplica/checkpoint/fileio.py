@@ -95,6 +95,12 @@ def atomic_save(obj: Any, path: str) -> None:
     target = os.path.realpath(path)
     directory, base = os.path.split(target)
     directory = directory or "."
+    # As TF's checkpoint.save: missing parent directories are created (by the writer only).
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise OSError(e.errno, f"cr.save: cannot create the directory {directory!r} for the checkpoint "
+                               f"{path!r}: {e.strerror or e}") from None
     _clean_stale(directory, base)
     tmp = os.path.join(directory, f".{base}{_TMP_MARK}{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
     try:

@@ -237,11 +237,18 @@ def all_gather(x: Nest, dim: int = 0, group_assignment: GroupAssignment = None, 
     return leaves.repack(autodiff.gather(run, groups, tuple(dims), tensors, device))
 
 
-def all_to_all(x: Nest, split_dim: int, concat_dim: int, group_assignment: GroupAssignment = None, *,
+def all_to_all(x: Nest, split_dim: int | None = None, concat_dim: int | None = None,
+               group_assignment: GroupAssignment = None, *,
                input_split_sizes: Sequence[int] | None = None, output_split_sizes: Sequence[int] | None = None,
-               mesh: Mesh | None = None, axes: Axes = None) -> Any:
+               mesh: Mesh | None = None, axes: Axes = None, split_dimension: int | None = None,
+               concat_dimension: int | None = None, split_count: int | None = None) -> Any:
     """Splits ``x`` along ``split_dim``, sends chunk ``j`` to the member at position ``j``,
     and concatenates what arrives along ``concat_dim``, in group order.
+
+    TF's keywords (``tpu_ops.all_to_all``) work too: ``split_dimension``,
+    ``concat_dimension`` and ``split_count``, which must equal the group size.
+    (TF's positional order is ``(x, concat_dimension, split_dimension, ...)``, the
+    reverse of this one: pass TF's by keyword.)
 
     Chunks are equal (``x.shape[split_dim] // group_size``) unless split sizes are
     given, as torch's ``all_to_all_single``: ``input_split_sizes[j]`` rows go to
@@ -250,9 +257,14 @@ def all_to_all(x: Nest, split_dim: int, concat_dim: int, group_assignment: Group
     of this replica's ``x``). Uneven sizes need ``split_dim == concat_dim``.
     """
     api = "cr.all_to_all"
+    split_dim = _one_spelling(api, "split_dim", split_dim, "split_dimension", split_dimension)
+    concat_dim = _one_spelling(api, "concat_dim", concat_dim, "concat_dimension", concat_dimension)
     rctx = _context(api)
     groups = _groups(rctx, group_assignment, mesh, axes)
     k = len(groups[0])
+    if split_count is not None and _int_or_none(split_count) != k:
+        raise ValueError(f"{api}: split_count={summarize(split_count)} must equal the group size {k} "
+                         f"(TF's split_count: one chunk per member); pass {k} or leave it out")
     in_splits = check_splits(input_split_sizes, k, "input_split_sizes", api)
     out_splits = check_splits(output_split_sizes, k, "output_split_sizes", api)
     leaves = tensor_leaves(x, api, rctx)
@@ -278,6 +290,23 @@ def all_to_all(x: Nest, split_dim: int, concat_dim: int, group_assignment: Group
         cds.append(cd)
     params = (tuple(sds), tuple(cds), in_splits, out_splits)
     return leaves.repack(_execute(rctx, Kind.ALL_TO_ALL, groups, params, leaves.tensors))
+
+
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return replica_index(value)  # an int (numpy and torch integers too), never a bool
+    except TypeError:
+        return None
+
+
+def _one_spelling(api: str, name: str, value: Any, tf_name: str, tf_value: Any) -> Any:
+    """The argument given as ``name`` or as TF's ``tf_name``: exactly one of them."""
+    if value is not None and tf_value is not None:
+        raise TypeError(f"{api} got {name}={summarize(value)} and TF's {tf_name}={summarize(tf_value)}; "
+                        f"they are one argument: pass one of them")
+    if value is None and tf_value is None:
+        raise TypeError(f"{api} missing the argument {name} (TF's {tf_name})")
+    return value if value is not None else tf_value
 
 
 def broadcast(x: Nest, source: int = 0, group_assignment: GroupAssignment = None, *,

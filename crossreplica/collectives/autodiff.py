@@ -44,7 +44,7 @@ from ..context import ReplicaContext, current_replica_context
 from ..engines.base import Call, Kind
 from ..engines.wire import execute_on_wire
 from ..groups import Groups, group_of
-from ..reduce_op import ReduceOp
+from ..reduce_op import ReduceOp, from_wire, mean_scale, to_wire
 
 __all__ = ["Collective", "Run", "dual", "execute", "execute_one", "gather_sizes", "raw"]
 
@@ -68,9 +68,28 @@ def raw(rctx: ReplicaContext, kind: Kind, groups: Groups, params: tuple,
         for t in tensors:
             if t.device != device:
                 _wrong_device(current, kind, tensors, device)
+    if (kind is Kind.ALL_REDUCE or kind is Kind.REDUCE_SCATTER) and params[0] is ReduceOp.MEAN:
+        scales = [mean_scale(ReduceOp.MEAN, len(groups[0]), t.dtype) for t in tensors]
+        if any(s is not None for s in scales):
+            return _scaled_mean(rctx, kind, groups, params, tensors, scales)
     # float16/bfloat16 sums accumulate in float32; unsigned ints travel as signed ones (wire.py)
     return execute_on_wire(rctx.engine, rctx.replica_id_in_sync_group, Call.of(kind, groups, params, tensors),
                            tensors)
+
+
+def _scaled_mean(rctx: ReplicaContext, kind: Kind, groups: Groups, params: tuple, tensors: list[torch.Tensor],
+                 scales: list[float | None]) -> list[torch.Tensor]:
+    """A MEAN whose values are scaled down by a power of two before the sum and the result back
+    up after, in the wire dtype (as the strategies' reductions), so that values above max/n
+    do not overflow the sum (``reduce_op.mean_scale``); otherwise bitwise the plain MEAN."""
+    op = ReduceOp.MEAN
+    wire = [to_wire(op, t) if s is None else to_wire(op, t) * (1.0 / s) for t, s in zip(tensors, scales)]
+    call = Call.of(kind, groups, params, wire)
+    source = tuple(t.dtype for t in tensors)
+    if source != call.dtypes:
+        call = call._replace(source_dtypes=source)
+    outs = rctx.engine.execute(rctx.replica_id_in_sync_group, call, wire)
+    return [from_wire(op, o if s is None else o * s, t.dtype) for o, s, t in zip(outs, scales, tensors)]
 
 
 def _wrong_device(rctx: ReplicaContext, kind: Kind, tensors: list[torch.Tensor], device: torch.device) -> None:

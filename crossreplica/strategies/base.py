@@ -21,7 +21,8 @@ import torch
 from .. import context, data, nest
 from ..errors import ReplicaContextError, summarize
 from ..logs import SharedModuleWarning
-from ..reduce_op import WIRE_DTYPES, ReduceOp, check_dtype, from_wire, reduce_non_distributed_value, to_wire
+from ..reduce_op import (WIRE_DTYPES, ReduceOp, check_dtype, from_wire, mean_scale, reduce_non_distributed_value,
+                         to_wire)
 from ..values import DistributedValues, Mirrored, regroup, select_replica
 from ..variables import Variable
 from .buffers import check_policy
@@ -82,7 +83,7 @@ class Strategy(LogicalDeviceMethods, TFCompatMethods):
         self._check_distributed(("args", args), ("kwargs", kwargs), run=True)
         self._check_captured(fn)
         with self.scope():
-            results = self.extended.call_for_each_replica(fn, args, kwargs)
+            results = self.extended.run_replicas(fn, args, kwargs)
         return regroup(results, always_wrap=self.extended.always_wrap)
 
     def _check_distributed(self, *named: tuple[str, Any], run: bool = False) -> None:
@@ -195,10 +196,16 @@ class Strategy(LogicalDeviceMethods, TFCompatMethods):
         """``reduce`` with ``axis``: each replica's tensor along ``axis`` (in ``dtype`` when
         given), then across replicas; MEAN divides by the total count along ``axis``."""
         if op is ReduceOp.MEAN:
-            total = self.extended.cross_device_reduce(ReduceOp.SUM, [t.sum(axis, dtype=dtype) for t in tensors])
             count = self.extended.cross_device_reduce(
                 ReduceOp.SUM, [torch.tensor(t.shape[axis] if t.dim() else 1, device=t.device) for t in tensors])
-            return total / count.to(total.device)
+            # Scaled by a power of two >= the count, so huge values do not overflow the sum
+            # (reduce_op.mean_scale; bitwise the plain sum / count wherever that is finite).
+            scale = mean_scale(op, int(count), tensors[0].dtype)
+            if scale is not None:
+                tensors = [t * (1.0 / scale) for t in tensors]
+            total = self.extended.cross_device_reduce(ReduceOp.SUM, [t.sum(axis, dtype=dtype) for t in tensors])
+            total = total / count.to(total.device)
+            return total if scale is None else total * scale
         local = {ReduceOp.SUM: lambda t: t.sum(axis, dtype=dtype), ReduceOp.MAX: lambda t: t.amax(axis),
                  ReduceOp.MIN: lambda t: t.amin(axis), ReduceOp.PROD: lambda t: t.prod(axis, dtype=dtype)}[op]
         tensors = [local(t) for t in tensors]

@@ -1,6 +1,6 @@
 """StrategyExtended: a strategy's machinery (devices, engine, replica threads, merge_call).
 
-Layer: strategies. ``call_for_each_replica`` runs the replica function once
+Layer: strategies. ``run_replicas`` runs the replica function once
 per local replica, in a thread per replica when there are several, under a
 fresh ``run_token``; the cross-replica hooks (:meth:`StrategyExtended.reduce_values`,
 :meth:`StrategyExtended.gather_values`, ...) are where multi-process strategies
@@ -28,7 +28,7 @@ from ..errors import ReplicaContextError, summarize
 from ..input_shards import split_sizes
 from ..micro_batches import LayoutInvariant, PendingGradients, replica_share
 from ..random_streams import draw_base, replica_stream, suspended
-from ..reduce_op import ReduceOp, from_wire, to_wire
+from ..reduce_op import ReduceOp, from_wire, mean_scale, to_wire
 from ..values import (
     DistributedValues,
     Mirrored,
@@ -61,8 +61,11 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
 
     def __init__(self, container: "Strategy", devices: Sequence[torch.device], engine: Engine,
                  cross_device_ops: CrossDeviceOps | None = None):
-        self._container_ref = weakref.ref(container)
-        self.worker_devices = tuple(devices)
+        # A strong reference: ``ext = Strategy(...).extended`` keeps working after the strategy
+        # object is dropped, as in TF. The cycle (strategy <-> extended) is freed by the garbage
+        # collector, whose finalizer below then stops the replica threads.
+        self._container_strong = container
+        self._worker_devices = tuple(devices)
         self.engine = engine
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
             raise ValueError(
@@ -74,7 +77,7 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
         #: the options a reduction uses when it is given none (MultiWorkerMirroredStrategy's
         #: ``communication_options``)
         self.communication_options: CommunicationOptions | None = None
-        n = len(self.worker_devices)
+        n = len(self._worker_devices)
         self._running = False
         self._run_token: object = None
         # the modules strategy.mirror made, whose buffers each run keeps in agreement
@@ -91,7 +94,7 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
 
     @property
     def _container(self) -> "Strategy":
-        return self._container_ref()  # type: ignore[return-value]
+        return self._container_strong
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -120,8 +123,15 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
 
     # ------------------------------------------------------------ replica execution
 
-    def call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[Any]:
-        """Runs ``fn`` once per local replica; returns the results in local order."""
+    def call_for_each_replica(self, fn: Callable[..., Any], args: Sequence[Any] | None = (),
+                              kwargs: dict | None = None) -> Any:
+        """TF's ``extended.call_for_each_replica``: ``strategy.run(fn, args, kwargs)``, with
+        ``args`` and ``kwargs`` optional (None allowed), the results regrouped as ``run`` does."""
+        return self._container.run(fn, () if args is None else args, kwargs)
+
+    def run_replicas(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[Any]:
+        """Runs ``fn`` once per local replica (``strategy.run``'s work); returns the results in
+        local order."""
         # Checked before anything is reset: a run started from merge_fn would re-arm
         # the engine under the replicas waiting in merge_call (they would wait out
         # the whole timeout).
@@ -155,7 +165,7 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
     def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict,
                                threads: int) -> list[Any]:
         strategy, engine = self._container, self.engine
-        ids, devices = self.local_replica_ids, self.worker_devices
+        ids, devices = self.local_replica_ids, self._worker_devices
         # A replica abandoned by an earlier failed run may return later; it must
         # not report to this run's engine (it would look like a replica that
         # returned early, or abort this run).
@@ -284,8 +294,11 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
         # In the wire dtype (float16 sums in float32, rounded once; unsigned ints as
         # signed), as the collectives do, so every strategy and engine gives the same bytes.
         xs = [to_wire(op, t.to(device)) for t in tensors]
+        scale = mean_scale(op, len(xs), dtype)  # a MEAN of huge values: no overflow of the sum
+        if scale is not None:
+            xs = [x * (1.0 / scale) for x in xs]
         out = reduce_into(op, torch.empty_like(xs[0], memory_format=torch.contiguous_format), xs)
-        return from_wire(op, out, dtype)
+        return from_wire(op, out if scale is None else out.mul_(scale), dtype)
 
     def gather_values(self, tensors: Sequence[torch.Tensor], axis: int) -> torch.Tensor:
         """Concatenates one tensor per local replica over all replicas in sync."""

@@ -60,10 +60,12 @@ def group_devices(devices: Sequence[torch.device], k: int) -> tuple[tuple[torch.
 
 
 class _Current(threading.local):
-    """The logical device each thread has made current (a stack; empty means 0)."""
+    """The logical device each thread has made current (a stack; empty means 0), and the
+    strategy machinery (``extended``) whose logical device it is."""
 
     def __init__(self) -> None:
         self.ids: list[int] = []
+        self.owners: list[object] = []
 
 
 _current = _Current()
@@ -72,17 +74,26 @@ _current = _Current()
 class LogicalDeviceExtended:
     """The ``strategy.extended`` side: which devices each local replica owns."""
 
-    worker_devices: tuple[torch.device, ...]
+    _worker_devices: tuple[torch.device, ...]
     _logical_groups: tuple[tuple[torch.device, ...], ...] | None = None
+
+    @property
+    def worker_devices(self) -> tuple[torch.device, ...]:
+        """The local replicas' devices, in local order: logical device 0 of each, or, inside
+        ``experimental_logical_device(j)`` (in this thread), logical device ``j`` of each (as TF)."""
+        j = _current.ids[-1] if _current.ids else 0
+        if j == 0 or self._logical_groups is None or _current.owners[-1] is not self:
+            return self._worker_devices
+        return tuple(g[j] for g in self._logical_groups)
 
     def set_logical_devices(self, groups: Sequence[Sequence[torch.device]]) -> None:
         """Records the devices of each local replica (first = the replica's device)."""
         grouped = tuple(tuple(g) for g in groups)
-        if len(grouped) != len(self.worker_devices) or any(
-                not g or g[0] != d for g, d in zip(grouped, self.worker_devices)):
+        if len(grouped) != len(self._worker_devices) or any(
+                not g or g[0] != d for g, d in zip(grouped, self._worker_devices)):
             raise ValueError(
                 f"logical device groups {summarize(grouped)} must hold one group per local replica, "
-                f"starting with that replica's device {summarize(self.worker_devices)}")
+                f"starting with that replica's device {summarize(self._worker_devices)}")
         if len({len(g) for g in grouped}) != 1:
             raise ValueError(f"every replica must own the same number of logical devices; got {summarize(grouped)}")
         self._logical_groups = grouped
@@ -96,7 +107,7 @@ class LogicalDeviceExtended:
     def logical_devices(self) -> tuple[tuple[torch.device, ...], ...]:
         """Per local replica, its logical devices in order (logical device 0 is its own device)."""
         if self._logical_groups is None:
-            return tuple((d,) for d in self.worker_devices)
+            return tuple((d,) for d in self._worker_devices)
         return self._logical_groups
 
     def logical_device(self, logical_device_id: int) -> torch.device:
@@ -126,6 +137,7 @@ class LogicalDeviceExtended:
         """
         device = self.logical_device(logical_device_id)
         _current.ids.append(int(logical_device_id))
+        _current.owners.append(self)
         try:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(torch.device(device))
@@ -134,6 +146,7 @@ class LogicalDeviceExtended:
                 yield device
         finally:
             _current.ids.pop()
+            _current.owners.pop()
 
 
 class LogicalDeviceMethods:

@@ -42,7 +42,7 @@ from ..engines.torch_dist import TorchDistEngine
 from ..errors import summarize
 from ..groups import Groups
 from ..logs import ConfigurationWarning
-from ..reduce_op import ReduceOp, from_wire, to_wire
+from ..reduce_op import ReduceOp, from_wire, mean_scale, to_wire
 from ..timeouts import canonical_timeout
 from .base import Strategy, StrategyExtended
 from .logical_devices import group_devices
@@ -145,8 +145,12 @@ class MultiWorkerExtended(StrategyExtended):
             return self._reduce_sparse_values(op, xs)
         dtype = xs[0].dtype
         xs = [to_wire(op, x) for x in xs]  # as StrategyExtended.reduce_values
+        scale = mean_scale(op, self.num_replicas_in_sync, dtype)
+        if scale is not None:
+            xs = [x * (1.0 / scale) for x in xs]
         calls = [Call.of(Kind.ALL_REDUCE, self._world(), (op,), [x]) for x in xs]
-        return from_wire(op, self.engine.process(calls, [[x] for x in xs])[0][0], dtype)
+        out = self.engine.process(calls, [[x] for x in xs])[0][0]
+        return from_wire(op, out if scale is None else out * scale, dtype)
 
     def _reduce_sparse_values(self, op: ReduceOp, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Sparse COO: every replica's (indices, values) gathered, reduced in replica order."""

@@ -68,7 +68,9 @@ class TFCompatMethods:
 class TFCompatExtended:
     """The ``strategy.extended`` side: worker facts and non-slot updates."""
 
-    worker_devices: tuple[torch.device, ...]
+    @property
+    def worker_devices(self) -> tuple[torch.device, ...]:
+        raise NotImplementedError  # LogicalDeviceExtended's, earlier in StrategyExtended's bases
 
     # ------------------------------------------------------------ workers
 
