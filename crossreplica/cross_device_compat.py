@@ -106,7 +106,7 @@ def variable_copies(x: Any) -> tuple[Any, ...] | None:
 
 def require_cross_replica(ops: Any, method: str) -> None:
     """Raises ReplicaContextError (a RuntimeError) when called inside a replica function."""
-    if context.get_replica_context() is not None:
+    if context.current_replica_context() is not None:
         raise ReplicaContextError(
             f"{type(ops).__name__}.{method} must be called in cross-replica context, as in TF: outside "
             f"strategy.run, or in a merge_call's merge_fn (cr.get_replica_context().merge_call(lambda s, v: "

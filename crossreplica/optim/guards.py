@@ -33,7 +33,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import torch_private as tp
-from ..context import get_replica_context
+from ..context import current_replica_context
 from ..errors import ReplicasDivergeWarning
 from ..groups import group_of
 
@@ -54,7 +54,7 @@ def exempt(optimizer: torch.optim.Optimizer) -> None:
 def _on_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """torch's global step pre-hook: warns about a plain optimizer in a replica of several
     that no cross-replica reduction fed since its previous step."""
-    rctx = get_replica_context()
+    rctx = current_replica_context()
     if rctx is None or optimizer in _EXEMPT or rctx.num_replicas_in_sync == 1:
         return
     seen = rctx.collectives
