@@ -162,7 +162,9 @@ class Variable:
             raise ValueError(
                 f"cr.Variable {name!r}: synchronization=NONE is not supported with a strategy of "
                 f"{strategy.num_replicas_in_sync} replicas; use ON_WRITE (or AUTO) or ON_READ")
-        value = initial_value() if callable(initial_value) else initial_value
+        # (a distributed value is callable too: it calls its replica's copy)
+        value = (initial_value() if callable(initial_value) and not isinstance(initial_value, DistributedValues)
+                 else initial_value)
         if isinstance(value, (Variable, DistributedValues)):
             raise TypeError(f"initial_value must be a plain tensor or number, not a {type(value).__name__}; "
                             f"pass one value (every replica starts from it)")
