@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None, strategy: cr.Strategy | None = None) -> 
             start = cr.load(path, into=state)["iter"]
         step_model = model
         if args.compile:  # DDP: model = torch.compile(model) before DDP(...)
-            step_model = strategy.run(torch.compile, args=(model,))
+            step_model = strategy.run(lambda m: torch.compile(m, backend=args.compile_backend), args=(model,))
         tokens = make_tokens(args)
         losses = []
         batches = strategy.distribute_dataset(iterations(tokens, start, args))
@@ -286,6 +286,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-interval", type=int, default=10)
     p.add_argument("--resume", action="store_true", help="continue from OUT_DIR/ckpt.pt")
     p.add_argument("--compile", action="store_true", help="torch.compile each replica's copy")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile's backend (aot_eager: no code generation)")
     p.add_argument("--log-interval", type=int, default=5)
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--compare", action="store_true", help="also train on one device with plain PyTorch and compare")

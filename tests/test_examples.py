@@ -1,0 +1,117 @@
+"""examples/ run and train what plain PyTorch trains.
+
+Each example's ``main(argv)`` runs with small settings on in-process replicas and its final
+parameters are compared with the example's own ``reference(args)``: the same model trained on
+one device with plain PyTorch on the whole global batches. ddp_script also runs on 2 worker
+processes (crossreplica.testing's WorkerPool and torchrun), and resuming from its checkpoint
+must give the parameters of the uninterrupted run, bitwise.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import crossreplica.testing as crt
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import ddp_script  # noqa: E402
+
+
+def assert_params_close(got: dict, want: dict, **tolerances) -> None:
+    assert list(got) == list(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], msg=lambda m, name=name: f"{name}: {m}", **tolerances)
+
+
+def assert_params_equal(got: dict, want: dict) -> None:
+    assert list(got) == list(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+# ------------------------------------------------------------------------------ ddp_script
+
+DDP_ARGS = ["--max-iters", "4", "--lr-decay-iters", "6", "--warmup-iters", "2", "--batch-size", "8",
+            "--n-embd", "16", "--quiet"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--overlap"], ["--replicas", "4", "--grad-clip", "0.5"]],
+                         ids=["default", "overlap", "4-replicas-clipping"])
+def test_ddp_script_matches_plain_torch(extra):
+    argv = DDP_ARGS + extra
+    out = ddp_script.main(argv)
+    ref = ddp_script.reference(argv)
+    assert out["start"] == 0 and len(out["losses"]) == 4
+    assert_params_close(out["params"], ref["params"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
+    assert out["losses"][-1] < out["losses"][0]
+
+
+def test_ddp_script_compiled_matches_plain_torch():
+    argv = DDP_ARGS + ["--max-iters", "2", "--compile", "--compile-backend", "aot_eager"]
+    assert_params_close(ddp_script.main(argv)["params"], ddp_script.reference(argv)["params"], rtol=1e-5, atol=1e-6)
+
+
+def _interrupted_and_resumed(run, tmp_path) -> tuple[dict, dict, dict]:
+    """(uninterrupted, first part, resumed) results of ``run(argv)``: 4 iterations, or 2 then 2."""
+    whole = run(DDP_ARGS + ["--out-dir", str(tmp_path / "whole")])
+    part = run(DDP_ARGS + ["--out-dir", str(tmp_path / "parts"), "--max-iters", "2"])
+    resumed = run(DDP_ARGS + ["--out-dir", str(tmp_path / "parts"), "--resume"])
+    return whole, part, resumed
+
+
+def test_ddp_script_resume_is_the_uninterrupted_run(tmp_path):
+    whole, part, resumed = _interrupted_and_resumed(ddp_script.main, tmp_path)
+    assert resumed["start"] == 2 and len(resumed["losses"]) == 2
+    assert part["losses"] + resumed["losses"] == whole["losses"]
+    assert_params_equal(resumed["params"], whole["params"])
+
+
+@pytest.mark.multiprocess
+def test_ddp_script_on_two_worker_processes(tmp_path):
+    """2 workers x 1 replica reduce in replica order as 2 in-process replicas do: the same bits."""
+    threads = ddp_script.main(DDP_ARGS)
+    with crt.WorkerPool(2, 1) as pool:
+        def run(argv):
+            out = pool.run(ddp_script.worker_main, mode="main", main_args=(argv,))
+            assert out.ok, out.log
+            chief, other = out.results[0], out.results[1]
+            assert_params_equal(other["params"], chief["params"])
+            return chief
+        whole, part, resumed = _interrupted_and_resumed(run, tmp_path)
+    assert_params_equal(whole["params"], threads["params"])
+    assert whole["losses"] == threads["losses"]
+    assert part["losses"] + resumed["losses"] == whole["losses"]
+    assert_params_equal(resumed["params"], whole["params"])
+
+
+@pytest.mark.multiprocess
+def test_ddp_script_under_torchrun(tmp_path):
+    """The command a user runs: torchrun with --strategy multi_worker, 2 processes."""
+    out_file = tmp_path / "result.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+           "--master-addr=127.0.0.1", f"--master-port={crt.free_port()}", str(EXAMPLES / "ddp_script.py"),
+           "--strategy", "multi_worker", "--save-params", str(out_file), *DDP_ARGS]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "CROSSREPLICA_TIMEOUT": "60"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # torchrun and its workers share the new session's process group
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, log
+    result = torch.load(out_file, weights_only=True)
+    assert_params_equal(result["params"], ddp_script.main(DDP_ARGS)["params"])
