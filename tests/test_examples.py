@@ -25,6 +25,7 @@ EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 import ddp_script  # noqa: E402
+import tf_custom_loop  # noqa: E402
 
 
 def assert_params_close(got: dict, want: dict, **tolerances) -> None:
@@ -37,6 +38,23 @@ def assert_params_equal(got: dict, want: dict) -> None:
     assert list(got) == list(want)
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+# ------------------------------------------------------------------------------ tf_custom_loop
+
+
+def test_tf_custom_loop_matches_plain_torch(tmp_path):
+    """2 replicas, global batch 64: the last batch of each epoch (29 rows) splits 15 / 14."""
+    argv = ["--epochs", "2", "--quiet", "--checkpoint-dir", str(tmp_path)]
+    out = tf_custom_loop.main(argv)
+    ref = tf_custom_loop.reference(argv)
+    assert_params_close(out["params"], ref["params"], rtol=1e-5, atol=1e-6)
+    for metric in ("train_loss", "test_loss"):
+        torch.testing.assert_close(torch.tensor(out[metric]), torch.tensor(ref[metric]), rtol=1e-5, atol=1e-6)
+    assert out["train_accuracy"] == ref["train_accuracy"] and out["test_accuracy"] == ref["test_accuracy"]
+    assert out["test_accuracy"][-1] > 0.2  # learning (10 classes)
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)  # written after the first epoch
+    assert saved["epoch"] == 1 and list(saved["model"]) == list(out["params"])
 
 
 # ------------------------------------------------------------------------------ ddp_script
