@@ -159,3 +159,21 @@ def test_ddp_script_under_torchrun(tmp_path):
     assert proc.returncode == 0, log
     result = torch.load(out_file, weights_only=True)
     assert_params_equal(result["params"], ddp_script.main(DDP_ARGS)["params"])
+
+
+# ------------------------------------------------------------------------------ as scripts
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("tf_custom_loop.py", ["--epochs", "1", "--batch-per-replica", "128"]),
+    ("tpu_cross_shard.py", ["--train-steps", "4", "--iterations", "2"]),
+    ("ddp_script.py", ["--max-iters", "2", "--n-embd", "16"]),
+], ids=["tf_custom_loop", "tpu_cross_shard", "ddp_script"])
+def test_example_runs_as_a_script(script, argv):
+    """``python examples/<name>.py``, as the docstrings say; --compare prints the difference."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(EXAMPLES / script), *argv, "--compare"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "largest parameter difference against plain PyTorch on one device" in done.stdout
