@@ -47,12 +47,15 @@ class GPTConfig:
     n_head: int = 2
     n_embd: int = 32
     bias: bool = False  # nanoGPT's default: no biases in Linear and LayerNorm
+    dropout: float = 0.0
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.resid_dropout = nn.Dropout(cfg.dropout)
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
@@ -60,8 +63,8 @@ class CausalSelfAttention(nn.Module):
         b, t, c = x.shape
         q, k, v = self.c_attn(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c)))
 
 
 class Block(nn.Module):
@@ -71,7 +74,7 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias), nn.GELU(),
-                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias))
+                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias), nn.Dropout(cfg.dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -83,13 +86,14 @@ class GPT(nn.Module):
         super().__init__()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
@@ -187,13 +191,17 @@ def main(argv: list[str] | None = None, strategy: cr.Strategy | None = None) -> 
     args = parse_args(argv)
     strategy = strategy or make_strategy(args)
     chief = strategy.extended.is_chief  # DDP: master_process = rank == 0
-    torch.manual_seed(args.seed)        # DDP: torch.manual_seed(1337 + rank); once is enough here
-    cfg = GPTConfig(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.n_embd, args.bias)
+    # DDP: torch.manual_seed(1337 + rank). Once is enough: each replica draws (dropout) from its
+    # own stream, derived from this seed and its replica id (docs/fidelity.md, "Random numbers").
+    torch.manual_seed(args.seed)
+    cfg = GPTConfig(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.n_embd, args.bias, args.dropout)
     with strategy.scope():
         model = strategy.mirror(GPT(cfg))  # DDP: DDP(model): one copy per replica, replica 0's values
         opts = strategy.run(lambda m: cr.CrossShardOptimizer(configure_optimizer(m, args), overlap=args.overlap),
                             args=(model,))
-        state = {"model": model, "opt": opts, "iter": 0}
+        # The caller's generator too: each strategy.run draws the replicas' random base from it,
+        # so a resumed run draws the dropout masks the uninterrupted one would.
+        state = {"model": model, "opt": opts, "rng": torch.default_generator, "iter": 0}
         path = os.path.join(args.out_dir, "ckpt.pt") if args.out_dir else None
         start = 0
         if args.resume:  # DDP: torch.load + load_state_dict; cr.load is a collective: every worker
@@ -230,26 +238,58 @@ def worker_main(strategy: cr.Strategy, argv: list[str]) -> dict[str, Any]:
     return main(argv, strategy=strategy)
 
 
-def reference(args: argparse.Namespace | list[str] | None = None) -> dict[str, Any]:
-    """The same training on one device with plain PyTorch, on the whole global micro-batches
-    (from iteration 0, without checkpoints or compilation)."""
+def reference(args: argparse.Namespace | list[str] | None = None, num_replicas: int | None = None
+              ) -> dict[str, Any]:
+    """The same training on one device with plain PyTorch (from iteration 0, without
+    checkpoints or compilation).
+
+    Without dropout, on the whole global micro-batches. With ``--dropout``, the masks must be
+    those the replicas draw, so each replica's rows run on their own: replica ``r``'s rows of an
+    iteration after ``torch.manual_seed(base + r)``, where ``base`` is the one number each
+    ``strategy.run`` draws from the caller's generator (docs/fidelity.md, "Random numbers").
+    ``num_replicas``: default ``--replicas`` (2) for mirrored, 1 for one_device."""
     if not isinstance(args, argparse.Namespace):
         args = parse_args(args)
+    if num_replicas is None:
+        num_replicas = 1 if args.strategy == "one_device" else args.replicas or 2
     torch.manual_seed(args.seed)
-    cfg = GPTConfig(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.n_embd, args.bias)
+    cfg = GPTConfig(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.n_embd, args.bias, args.dropout)
     model = GPT(cfg)
     opt = configure_optimizer(model, args)
+    caller = torch.get_rng_state()
+
+    def run_draw() -> int:  # what one strategy.run takes from the caller's generator
+        nonlocal caller
+        torch.set_rng_state(caller)
+        base = int(torch.randint(0, 2**63 - 1, ()).item())
+        caller = torch.get_rng_state()
+        return base
+
+    run_draw()  # main's strategy.run that builds the optimizers
+    if args.compile:
+        run_draw()  # and the one that compiles (the reference itself does not compile)
     tokens = make_tokens(args)
     losses = []
     for it, micro_batches in enumerate(iterations(tokens, 0, args)):
         for group in opt.param_groups:
             group["lr"] = get_lr(it, args)
         total = torch.zeros(())
-        for x, y in micro_batches:
-            logits = model(x)
-            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)) / args.grad_accum
-            loss.backward()
-            total += loss.detach()
+        if args.dropout:  # each replica's rows on the replica's random stream
+            base = run_draw()
+            for r in range(num_replicas):
+                torch.manual_seed(base + r)
+                for x, y in micro_batches:
+                    xr, yr = x.tensor_split(num_replicas)[r], y.tensor_split(num_replicas)[r]
+                    logits = model(xr)
+                    loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), yr.view(-1)) / args.grad_accum
+                    (loss / num_replicas).backward()  # CrossShardOptimizer's mean over the replicas
+                    total += loss.detach() / num_replicas
+        else:
+            for x, y in micro_batches:
+                logits = model(x)
+                loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)) / args.grad_accum
+                loss.backward()
+                total += loss.detach()
         if args.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
@@ -281,6 +321,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bias", action="store_true",
                    help="biases in Linear and LayerNorm, as GPT-2 (the attention's key bias then has a zero "
                         "gradient, whose rounding noise AdamW amplifies: replicas and one device drift apart there)")
+    p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--out-dir", default=None, help="checkpoint directory (ckpt.pt); none: no checkpoints")
     p.add_argument("--save-interval", type=int, default=10)

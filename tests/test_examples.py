@@ -89,8 +89,8 @@ DDP_ARGS = ["--max-iters", "4", "--lr-decay-iters", "6", "--warmup-iters", "2", 
             "--n-embd", "16", "--quiet"]
 
 
-@pytest.mark.parametrize("extra", [[], ["--overlap"], ["--replicas", "4", "--grad-clip", "0.5"]],
-                         ids=["default", "overlap", "4-replicas-clipping"])
+@pytest.mark.parametrize("extra", [[], ["--overlap"], ["--replicas", "4", "--grad-clip", "0.5"], ["--dropout", "0.2"]],
+                         ids=["default", "overlap", "4-replicas-clipping", "dropout"])
 def test_ddp_script_matches_plain_torch(extra):
     argv = DDP_ARGS + extra
     out = ddp_script.main(argv)
@@ -102,15 +102,17 @@ def test_ddp_script_matches_plain_torch(extra):
 
 
 def test_ddp_script_compiled_matches_plain_torch():
-    argv = DDP_ARGS + ["--max-iters", "2", "--compile", "--compile-backend", "aot_eager"]
+    argv = DDP_ARGS + ["--max-iters", "2", "--compile", "--compile-backend", "aot_eager", "--dropout", "0.1"]
     assert_params_close(ddp_script.main(argv)["params"], ddp_script.reference(argv)["params"], rtol=1e-5, atol=1e-6)
 
 
 def _interrupted_and_resumed(run, tmp_path) -> tuple[dict, dict, dict]:
-    """(uninterrupted, first part, resumed) results of ``run(argv)``: 4 iterations, or 2 then 2."""
-    whole = run(DDP_ARGS + ["--out-dir", str(tmp_path / "whole")])
-    part = run(DDP_ARGS + ["--out-dir", str(tmp_path / "parts"), "--max-iters", "2"])
-    resumed = run(DDP_ARGS + ["--out-dir", str(tmp_path / "parts"), "--resume"])
+    """(uninterrupted, first part, resumed) results of ``run(argv)``: 4 iterations, or 2 then 2.
+    With dropout: the checkpoint's random state must give the resumed run the same masks."""
+    argv = DDP_ARGS + ["--dropout", "0.1"]
+    whole = run(argv + ["--out-dir", str(tmp_path / "whole")])
+    part = run(argv + ["--out-dir", str(tmp_path / "parts"), "--max-iters", "2"])
+    resumed = run(argv + ["--out-dir", str(tmp_path / "parts"), "--resume"])
     return whole, part, resumed
 
 
@@ -123,8 +125,15 @@ def test_ddp_script_resume_is_the_uninterrupted_run(tmp_path):
 
 @pytest.mark.multiprocess
 def test_ddp_script_on_two_worker_processes(tmp_path):
-    """2 workers x 1 replica reduce in replica order as 2 in-process replicas do: the same bits."""
-    threads = ddp_script.main(DDP_ARGS)
+    """2 workers x 1 replica reduce in replica order as 2 in-process replicas do, and global replica
+    i draws the same dropout masks: the same bits. The workers run torch with one intra-op thread,
+    so the threads run does too (some CPU kernels round differently with more threads)."""
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        threads = ddp_script.main(DDP_ARGS + ["--dropout", "0.1"])
+    finally:
+        torch.set_num_threads(threads_before)
     with crt.WorkerPool(2, 1) as pool:
         def run(argv):
             out = pool.run(ddp_script.worker_main, mode="main", main_args=(argv,))
