@@ -3,8 +3,8 @@
 The DDP original is the shape of nanoGPT's ``train.py``: a small causal transformer,
 ``DDP(model)``, gradient accumulation with ``no_sync``, gradient clipping, a warm-up +
 cosine learning-rate schedule set on ``optimizer.param_groups``, ``torch.compile``, and
-checkpoints written by the master process and resumed from. Each of those habits has a
-crossreplica counterpart (docs/ddp_porting.md); the comments marked ``DDP:`` say what the
+checkpoints written by the master process and resumed from, per-rank seeds (for dropout).
+Each of those habits has a crossreplica counterpart (docs/ddp_porting.md); the comments marked ``DDP:`` say what the
 line replaces.
 
 Run it (the data are random tokens from a fixed Markov chain, so the loss falls towards
