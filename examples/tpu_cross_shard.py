@@ -91,12 +91,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: learning_rate_factor(step, args)),
             args=(optimizers,))
 
+    def this_replicas(*values: Any) -> list[Any]:
+        """This replica's part of each distributed value. experimental_run_steps hands the replica
+        function the batch only, so the model, optimizer and scheduler come from here: a worker
+        holds its own replicas' parts, and replica id = worker rank x replicas per worker + local
+        index (docs/multi_process.md), which makes this right on every strategy."""
+        ext = strategy.extended
+        local = cr.get_replica_context().replica_id_in_sync_group - ext.worker_rank * ext.num_replicas_per_host
+        return [cr.select_replica(local, v) for v in values]
+
     def train_step(inputs: Any) -> torch.Tensor:
         """TF's model_fn in TRAIN mode, on this replica's shard of the batch."""
         images, labels = inputs
-        ctx = cr.get_replica_context()
-        i = ctx.replica_id_in_sync_group  # this replica's model, optimizer and scheduler
-        net, opt, sched = (cr.select_replica(i, v) for v in (model, optimizers, schedulers))
+        net, opt, sched = this_replicas(model, optimizers, schedulers)
         opt.zero_grad()
         loss = F.cross_entropy(net(images), labels)  # the shard's mean loss
         loss.backward()
@@ -106,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     def eval_step(inputs: Any) -> torch.Tensor:
         images, labels = inputs
-        net = cr.select_replica(cr.get_replica_context().replica_id_in_sync_group, model)
+        (net,) = this_replicas(model)
         with torch.no_grad():
             predictions = net(images).argmax(1)
         return torch.stack([(predictions == labels).sum(), torch.tensor(len(labels))])
