@@ -159,11 +159,10 @@ class Variable:
                 raise ValueError(f"cr.Variable {name!r}: synchronization=ON_READ is only for variables that "
                                  f"are not trainable (metrics, counters); got trainable=True")
         if sync is VariableSynchronization.NONE and strategy.num_replicas_in_sync > 1:
-            raise ValueError(
-                f"cr.Variable {name!r}: synchronization=NONE is not supported with a strategy of "
-                f"{strategy.num_replicas_in_sync} replicas; use ON_WRITE (or AUTO) or ON_READ")
-        initializer = callable(initial_value) and not isinstance(initial_value, DistributedValues)  # those call a copy
-        value = initial_value() if initializer else initial_value
+            raise ValueError(f"cr.Variable {name!r}: synchronization=NONE is not supported with a strategy of "
+                             f"{strategy.num_replicas_in_sync} replicas; use ON_WRITE (or AUTO) or ON_READ")
+        plain = not isinstance(initial_value, DistributedValues)  # callable too: it calls its replica's copy
+        value = initial_value() if callable(initial_value) and plain else initial_value
         if isinstance(value, (Variable, DistributedValues)):
             raise TypeError(f"initial_value must be a plain tensor or number, not a {type(value).__name__}; "
                             f"pass one value (every replica starts from it)")
