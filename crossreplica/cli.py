@@ -115,10 +115,11 @@ def _train(args: argparse.Namespace) -> int:
     if not result.chief:  # the chief reports for every worker
         return 0 if result.replicas_identical else 1
     last = result.history[-1]
-    print(f"done in {result.seconds:.2f} s: test accuracy {last.test_acc:.4f}, replicas bitwise "
-          f"identical: {'yes' if result.replicas_identical else 'NO'}")
+    print(f"done in {result.seconds:.2f} s: test accuracy {last.test_acc:.4f}, every replica's parameters "
+          f"bitwise identical (all workers): {'yes' if result.replicas_identical else 'NO'}")
     if result.max_abs_param_diff is not None:
-        print(f"one-device run (plain torch, same batches) in {result.reference_seconds:.2f} s: test "
+        print(f"one-device run (plain torch, same batches, {result.reference_threads} intra-op thread(s) as each "
+              f"replica) in {result.reference_seconds:.2f} s: test "
               f"accuracy {result.reference_test_acc:.4f}; max |parameter difference| = "
               f"{result.max_abs_param_diff:.3e}")
     return 0 if result.replicas_identical else 1

@@ -16,18 +16,20 @@ Layer: the face (layer 6); see docs/architecture.md.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import sys
 import time
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from .arguments import check_int, check_number
+from .checkpoint.per_replica import digest
 from .data import split_batch
 from .micro_batches import LayoutInvariant
 from .optim import CrossShardOptimizer
@@ -87,8 +89,9 @@ class TrainResult:
     config: TrainConfig
     history: list[EpochStats]
     seconds: float
-    replicas_identical: bool
+    replicas_identical: bool  # every replica's parameters and buffers, on every worker
     max_abs_param_diff: float | None = None
+    reference_threads: int | None = None  # the one-device run's intra-op threads: those of each replica
     reference_seconds: float | None = None
     reference_test_acc: float | None = None
     model: nn.Module | None = None
@@ -256,22 +259,46 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
         torch.set_num_threads(saved_threads)
         torch.set_rng_state(saved_rng)
     copies = strategy.experimental_local_results(model)
-    identical = all(torch.equal(a, b) for m in copies[1:]
-                    for a, b in zip(copies[0].state_dict().values(), m.state_dict().values()))
-    result = TrainResult(config, history, seconds, identical, model=copies[0], chief=chief)
+    result = TrainResult(config, history, seconds, _identical(strategy, copies), model=copies[0], chief=chief)
     if config.save_params is not None and chief:
         torch.save(copies[0].state_dict(), config.save_params)
     if config.compare:
         t0 = time.perf_counter()
         # The layout-invariant mode's parts are the micro-batches (same draws, same split).
         parts = n if config.micro_batches is None else config.micro_batches
-        reference = train_reference(config, copy.deepcopy(initial), x_train, y_train, parts)
+        # With the replicas' intra-op thread count: it decides how some kernels sum (the bits).
+        threads = int(strategy.experimental_local_results(strategy.run(_threads))[0])
+        result.reference_threads = threads
+        with _intra_op_threads(threads):
+            reference = train_reference(config, copy.deepcopy(initial), x_train, y_train, parts)
         result.reference_seconds = time.perf_counter() - t0
         result.max_abs_param_diff = max(
             (a - b).abs().max().item() for a, b in zip(copies[0].parameters(), reference.parameters()))
         test = _eval_step(reference, (x_test, y_test))
         result.reference_test_acc = (test[1] / test[2]).item()
     return result
+
+
+def _identical(strategy: Strategy, copies: Any) -> bool:
+    """Whether every replica's model, on every worker, holds the same bytes (a digest per
+    local copy, gathered across the workers)."""
+    rows = [torch.frombuffer(bytearray(digest(m.state_dict())), dtype=torch.uint8).reshape(1, -1) for m in copies]
+    table = strategy.extended.gather_values(rows, 0)
+    return bool((table == table[0]).all())
+
+
+def _threads() -> torch.Tensor:
+    return torch.tensor(torch.get_num_threads())
+
+
+@contextlib.contextmanager
+def _intra_op_threads(n: int) -> Iterator[None]:
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
 
 
 def train_reference(config: TrainConfig, model: nn.Module, x: torch.Tensor, y: torch.Tensor,

@@ -35,7 +35,8 @@ def test_cli_train(capsys):
     assert "mirrored strategy, 2 replica(s)" in out
     assert "epoch   1/1" in out and "test loss" in out
     assert "max |parameter difference| =" in out
-    assert "replicas bitwise identical: yes" in out
+    assert "every replica's parameters bitwise identical (all workers): yes" in out
+    assert "intra-op thread(s) as each replica" in out
 
 
 def test_cli_progress_bar_and_one_device(capsys):
@@ -110,3 +111,23 @@ def test_cli_train_multi_worker_under_torchrun(extra):
     assert out.count("done in ") == 1  # only the chief reports
     diff = float(re.search(r"max \|parameter difference\| = (\S+)", out).group(1))
     assert diff < 1e-4
+
+
+def _identical_after_worker_1_drifts(strategy):
+    import torch
+
+    model = strategy.mirror(torch.nn.Linear(3, 2))
+    copies = strategy.experimental_local_results(model)
+    before = demo._identical(strategy, copies)
+    if strategy.extended.input_pipeline_id == 1:
+        with torch.no_grad():
+            copies[-1].bias.add_(1e-6)  # only worker 1's copy: the chief's local copies still agree
+    return before, demo._identical(strategy, copies)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("per_worker", [1, 2], ids=["2x1", "2x2"])
+def test_replicas_identical_compares_every_worker(per_worker):
+    from crossreplica.testing import run_workers
+
+    assert run_workers(_identical_after_worker_1_drifts, 2, per_worker) == [(True, False), (True, False)]
