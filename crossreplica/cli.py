@@ -46,9 +46,10 @@ multi-process training (--strategy multi_worker) is launched by torchrun:
   one host, 4 processes:
     torchrun --standalone --nproc-per-node=4 -m crossreplica.cli train --strategy multi_worker
 
-  several hosts (the same command on every host; HOST_A:29400 is reachable from all):
+  several hosts (the same command on every host; HOST_A:29400 is reachable from all;
+  JOB_ID is one random value, e.g. from `openssl rand -hex 16`, the same on every host):
     torchrun --nnodes=2 --nproc-per-node=1 \\
-        --rdzv-backend=c10d --rdzv-endpoint=HOST_A:29400 --rdzv-id=my-job \\
+        --rdzv-backend=c10d --rdzv-endpoint=HOST_A:29400 --rdzv-id=$JOB_ID \\
         -m crossreplica.cli train --strategy multi_worker
 
   each process runs --replicas-per-worker in-process replicas, all in sync; see

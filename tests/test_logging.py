@@ -363,6 +363,29 @@ def test_a_missing_job_secret_is_a_configuration_warning(monkeypatch):
         _job_namespace()
 
 
+@pytest.mark.parametrize("run_id, warned", [("crossreplica-demo", True), ("my-job", True),
+                                            ("3f9a1c0be4d27a65e8c1f04b9d2a7e31", False)])
+def test_a_short_torchrun_run_id_is_a_configuration_warning(monkeypatch, run_id, warned):
+    """torchrun's run id is the job secret when CROSSREPLICA_JOB_SECRET is unset: a short one
+    (--rdzv-id=my-job) or a name without digits is guessable, and the warning says how to make
+    it random."""
+    from crossreplica.strategies.multi_worker import _job_namespace
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+    monkeypatch.delenv("CROSSREPLICA_JOB_SECRET", raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _job_namespace()
+    messages = [str(w.message) for w in caught if issubclass(w.category, ConfigurationWarning)]
+    assert bool(messages) == warned, messages
+    if warned:
+        assert "easy to guess" in messages[0] and "openssl rand -hex 16" in messages[0]
+    monkeypatch.setenv("CROSSREPLICA_JOB_SECRET", "a-secret-of-this-job")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigurationWarning)
+        _job_namespace()  # a job secret set explicitly is the user's choice
+
+
 # --------------------------------------------------------------------------- uneven batches, the CLI
 
 def test_an_uneven_batch_is_logged_once_per_dataset(caplog):

@@ -95,6 +95,11 @@ def _listen(address: str, port: int) -> socket.socket:
     return listener
 
 
+#: a torchrun run id shorter than this, or without digits, is warned about as a job secret
+#: (a random hex id has 32 characters; a uuid 36)
+_MIN_RUN_ID = 16
+
+
 def _job_namespace() -> str:
     """The store prefix of this job: derived from a secret the launcher shares with every
     worker and nobody else (``CROSSREPLICA_JOB_SECRET``, or torchrun's run id), so a process
@@ -107,6 +112,12 @@ def _job_namespace() -> str:
             "reach MASTER_ADDR:MASTER_PORT; set CROSSREPLICA_JOB_SECRET to the same random value on "
             "every worker", ConfigurationWarning, stacklevel=4)
         secret = "none"
+    elif not settings.job_secret() and (len(secret) < _MIN_RUN_ID or not any(c.isdigit() for c in secret)):
+        warnings.warn(
+            "MultiWorkerMirroredStrategy: torchrun's run id (--rdzv-id) is the job secret here, and this one "
+            "looks easy to guess (short, or a name without digits) for anyone who can reach the store; use a "
+            "random id (`--rdzv-id=$(openssl rand -hex 16)`, the same on every host) or set "
+            "CROSSREPLICA_JOB_SECRET", ConfigurationWarning, stacklevel=4)
     return hashlib.sha256(f"crossreplica-job:{secret}".encode()).hexdigest()[:32]
 
 
