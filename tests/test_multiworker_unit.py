@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import warnings
 
 import pytest
@@ -179,3 +180,60 @@ def test_more_processes_than_gpus_fall_back_to_the_cpu_or_refuse_nccl(monkeypatc
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # gloo chosen explicitly: the CPU without a warning
         assert MW._devices(1, "gloo", None, 0) == [torch.device("cpu")]
+
+
+# --------------------------------------------------------------------------- a cut link
+
+
+class _CutOffStore:
+    """A store whose host stopped answering (a cut link: calls block, nothing is refused)."""
+
+    def __init__(self):
+        import threading
+
+        self.release = threading.Event()
+
+    def _block(self, *args, **kwargs):
+        self.release.wait(60)
+        raise RuntimeError("connection reset")
+
+    set = get = check = add = _block
+
+
+class _WaitingWork:
+    """A gloo work that never completes: each wait ends its slice with gloo's timeout error."""
+
+    def wait(self, timeout):
+        time.sleep(timeout.total_seconds())
+        raise RuntimeError("Operation timed out")
+
+    def is_completed(self):
+        return False
+
+
+def _cut_off_watchdog(timeout: float):
+    from crossreplica.engines.torch_dist.store_probe import StoreProbe
+    from crossreplica.engines.torch_dist.watchdog import Watchdog
+
+    watchdog = Watchdog(1, 2, 1, timeout, "gloo")
+    store = _CutOffStore()
+    watchdog.store, watchdog.probe = store, StoreProbe(store, seconds=0.3)
+    return watchdog, store
+
+
+@pytest.mark.parametrize("wait", ["collective", "meeting"])
+def test_a_worker_cut_off_from_the_store_fails_within_the_timeout(wait):
+    """Its store calls would block until TCP gives up (minutes): each is bounded, the wait runs
+    to its deadline and the error says this worker is probably the one cut off."""
+    watchdog, store = _cut_off_watchdog(timeout=1.5)
+    start = time.monotonic()
+    try:
+        with pytest.raises(cr.errors.CollectiveTimeoutError, match="stopped answering this worker") as info:
+            if wait == "collective":
+                watchdog.wait(_WaitingWork(), range(2))
+            else:
+                watchdog.meet("cr.save")
+    finally:
+        store.release.set()
+    assert time.monotonic() - start < 1.5 + 2.0, info.value
+    assert watchdog.probe.unreachable

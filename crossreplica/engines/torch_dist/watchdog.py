@@ -33,6 +33,7 @@ from ... import torch_private as tp
 from ...errors import CollectiveMismatchError, CollectiveTimeoutError, CrossReplicaError, ReplicaAborted
 from ...logs import slow_seconds
 from ..base import Call
+from .store_probe import StoreProbe
 
 __all__ = ["Watchdog", "WorkerFailedError", "is_peer_loss"]
 
@@ -83,6 +84,8 @@ class Watchdog:
         #: seconds a wait lasts before a WARNING names the ranks not arrived (at least two slices)
         self.slow = max(slow_seconds(timeout), 2 * _SLICE)
         self.store = _default_store()
+        #: the waits' store calls, each bounded (a cut link would block one for minutes)
+        self.probe = StoreProbe(self.store)
         # Every worker creates its engines in the same order (SPMD), so its own count
         # of engines names the same engine everywhere.
         serial = 0
@@ -181,15 +184,15 @@ class Watchdog:
             return
         self._meetings += 1
         base = f"{self._prefix}/meet/{self.count}.{self._meetings}"
-        self.store.set(f"{base}/{self.rank}", what)
+        self.probe(None, lambda s: s.set(f"{base}/{self.rank}", what))
         keys = {rank: f"{base}/{rank}" for rank in range(self.world_size) if rank != self.rank}
         deadline = time.monotonic() + self.timeout
         pause = 1e-4
-        while not self.store.check(list(keys.values())):
+        while not self.probe(False, lambda s: s.check(list(keys.values()))):
             aborted = self.abort_message()
             if aborted is not None:
                 raise ReplicaAborted(f"{aborted}; this worker was released from {what}")
-            absent = [rank for rank, key in keys.items() if not self.store.check([key])]
+            absent = [rank for rank, key in keys.items() if not self._posted(key)]
             gone = [rank for rank in absent if self._progress(rank) > self.count]
             if gone:
                 raise CollectiveMismatchError(
@@ -201,7 +204,7 @@ class Watchdog:
                 raise CollectiveTimeoutError(
                     f"{what} timed out after {self.timeout:g}s on worker rank {self.rank}: worker ranks {absent} "
                     f"(replicas {list(self._replicas_of(absent))}) never called it; {what} is a collective that "
-                    f"every worker must call", self._replicas_of(absent))
+                    f"every worker must call{self._cut_off()}", self._replicas_of(absent))
             time.sleep(pause)
             pause = min(2 * pause, 0.02)
 
@@ -218,7 +221,15 @@ class Watchdog:
             raise CollectiveTimeoutError(
                 f"collective {self.where} timed out after {self.timeout:g}s on worker rank "
                 f"{self.rank}: worker ranks {late} (replicas {list(replicas)}) never "
-                f"arrived (ranks taking part: {list(ranks)})", replicas)
+                f"arrived (ranks taking part: {list(ranks)}){self._cut_off()}", replicas)
+
+    def _cut_off(self) -> str:
+        """What a timeout message adds when the store stopped answering this worker."""
+        if not self.probe.unreachable:
+            return ""
+        return ("; the store (at MASTER_ADDR, served by rank 0 or torchrun's agent) stopped answering this "
+                "worker too, so this worker is probably the one cut off from the others (a network partition), "
+                "and the ranks named are only those it could not hear from")
 
     def warn_slow(self, deadline: float, ranks: Sequence[int], late: Sequence[int]) -> None:
         """The WARNING of a wait past the slow threshold (once per wait; any transport)."""
@@ -239,39 +250,28 @@ class Watchdog:
 
     # ------------------------------------------------------------ the store keys
 
+    # Each call goes through the probe: bounded, and a failed call (a dead store host, which
+    # shows up as a lost peer instead) answers its default. The timeout still bounds every wait.
+
     def announce(self, message: str) -> None:
         """Sets the abort key, so the other workers stop waiting (best effort)."""
-        if self.store is not None:
-            try:
-                self.store.set(f"{self._prefix}/abort", message)
-            except Exception:  # noqa: BLE001, S110 - best effort; the timeout still bounds the wait
-                pass
+        self.probe(None, lambda s: s.set(f"{self._prefix}/abort", message))
 
     def post_progress(self) -> None:
-        if self.store is not None:
-            try:
-                self.store.set(f"{self._prefix}/progress/{self.rank}", str(self.count))
-            except Exception:  # noqa: BLE001, S110 - best effort, as announce
-                pass
+        count = str(self.count)
+        self.probe(None, lambda s: s.set(f"{self._prefix}/progress/{self.rank}", count))
 
     def abort_message(self) -> str | None:
-        if self.store is None:
-            return None
         key = f"{self._prefix}/abort"
-        try:
-            if self.store.check([key]):
-                return self.store.get(key).decode(errors="replace")
-        except Exception:  # noqa: BLE001 - a dead store host shows up as a lost peer instead
-            return None
-        return None
+        return self.probe(None, lambda s: s.get(key).decode(errors="replace") if s.check([key]) else None)
+
+    def _posted(self, key: str) -> bool:
+        return bool(self.probe(False, lambda s: s.check([key])))
 
     def _progress(self, rank: int) -> int:
         """The last cross-process call ``rank`` posted that it waits at (-1: none, or unknown)."""
         key = f"{self._prefix}/progress/{rank}"
-        try:
-            return int(self.store.get(key)) if self.store.check([key]) else -1
-        except Exception:  # noqa: BLE001 - a dead store host shows up as a lost peer instead
-            return -1
+        return self.probe(-1, lambda s: int(s.get(key)) if s.check([key]) else -1)
 
     def _missing(self, ranks: Sequence[int], grace: float = 0.0) -> list[int]:
         """Ranks among ``ranks`` that have not posted progress at this call (store based)."""

@@ -1,0 +1,77 @@
+"""Engine layer (torch_dist): store calls that cannot outlast a cut network link.
+
+A wait's store calls (the abort key, the progress keys, a host-side meeting)
+go to the store host over TCP. When the link to it is cut (no reset, packets
+dropped), such a call blocks until the kernel stops retransmitting, many
+minutes later, far past the collective timeout, and the cut-off worker never
+reports. :class:`StoreProbe` runs each call on one daemon thread and waits
+for its answer for at most ``PROBE_SECONDS``; a call that does not answer
+marks the store unreachable, and every later call returns its default at once,
+so the wait runs to its deadline and raises with a message that says the store
+stopped answering. The blocked call stays on its daemon thread, which never
+keeps the process from exiting. A store that refuses or fails a call (its
+host died) answers the default at once, as before.
+
+Why a thread and not the store's own timeout: torch's ``TCPStore`` bounds
+``wait`` and ``get`` by its timeout, but not every call, and the timeout is
+the whole job's (minutes), set when the store is created.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["PROBE_SECONDS", "StoreProbe"]
+
+#: how long one store call of a wait may take before the store counts as unreachable
+PROBE_SECONDS = 3.0
+
+_log = logging.getLogger(__name__)
+
+_requests: queue.SimpleQueue = queue.SimpleQueue()
+_server: threading.Thread | None = None
+_server_lock = threading.Lock()
+
+
+def _serve() -> None:
+    while True:
+        call, box, done = _requests.get()
+        try:
+            box.append(call())
+        except Exception:  # noqa: BLE001 - the caller's default answers for a failed call
+            pass
+        done.set()
+
+
+class StoreProbe:
+    """The store calls of one engine's waits, each bounded (see the module docstring)."""
+
+    def __init__(self, store: Any, seconds: float = PROBE_SECONDS):
+        self.store = store
+        self.seconds = seconds
+        #: a call did not answer in time: the store host is cut off from this worker
+        self.unreachable = False
+
+    def __call__(self, default: Any, call: Callable[[Any], Any]) -> Any:
+        """``call(store)``, or ``default`` when it fails or does not answer in time."""
+        if self.store is None or self.unreachable:
+            return default
+        global _server
+        with _server_lock:
+            if _server is None or not _server.is_alive():
+                _server = threading.Thread(target=_serve, name="crossreplica-store-probe", daemon=True)
+                _server.start()
+        box: list[Any] = []
+        done = threading.Event()
+        store = self.store
+        _requests.put((lambda: call(store), box, done))
+        if not done.wait(self.seconds):
+            self.unreachable = True
+            _log.warning("the store did not answer within %gs: this worker is probably cut off from the store "
+                         "host (rank 0, or torchrun's agent); its waits now run to their timeout", self.seconds)
+            return default
+        return box[0] if box else default
