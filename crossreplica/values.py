@@ -165,6 +165,28 @@ def _regroup(values: tuple, wrap_class: type, always_wrap: bool, path: tuple) ->
 
 def select_replica(replica_id: int, structured: Any) -> Any:
     """The part of ``structured`` that belongs to replica ``replica_id``."""
+    # The common case, on every run for every replica: ``args`` (a tuple) and ``kwargs`` (a
+    # dict) whose items are leaves or distributed values, picked without walking the nest.
+    t = type(structured)
+    if t is dict and not structured:
+        return {}
+    if t is tuple and type(replica_id) is int:
+        picked = []
+        for x in structured:
+            if isinstance(x, DistributedValues):
+                values = x._values
+                if not 0 <= replica_id < len(values):
+                    return _select(replica_id, structured)  # the error names the count
+                picked.append(values[replica_id])
+            elif nest.kind(x) is None:
+                picked.append(x)
+            else:
+                return _select(replica_id, structured)
+        return tuple(picked)
+    return _select(replica_id, structured)
+
+
+def _select(replica_id: int, structured: Any) -> Any:
     def get(x: Any) -> Any:
         if isinstance(x, DistributedValues):
             return _pick(x, replica_id)

@@ -91,7 +91,11 @@ class Strategy(LogicalDeviceMethods, TFCompatMethods):
         trainable parameters handed to several replicas at once gets a SharedModuleWarning."""
         n = len(self.extended.worker_devices)
         for name, value in named:
-            leaves, _ = nest.flatten(value)
+            if type(value) is dict and not value:
+                continue
+            # args is usually a tuple of leaves: no walk of the nest needed
+            flat = type(value) is tuple and all(nest.kind(x) is None for x in value)
+            leaves = value if flat else nest.flatten(value)[0]
             for leaf in leaves:
                 if run and n > 1 and isinstance(leaf, torch.nn.Module) and \
                         any(p.requires_grad for p in leaf.parameters()):
