@@ -174,7 +174,7 @@ def select_replica(replica_id: int, structured: Any) -> Any:
         picked = []
         for x in structured:
             if isinstance(x, DistributedValues):
-                values = x._values
+                values = x.values
                 if not 0 <= replica_id < len(values):
                     return _select(replica_id, structured)  # the error names the count
                 picked.append(values[replica_id])
