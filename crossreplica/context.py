@@ -299,17 +299,21 @@ class ReplicaContext:
         Arguments are regrouped across the local replicas (PerReplica where they
         differ); each replica receives its part of the result (select_replica).
         """
+        _check_merge_call(merge_fn, args, kwargs)
+        return self._host.merge_call(self, merge_fn, tuple(args), kwargs or {})
+
+    def __repr__(self) -> str:
+        return (f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, "
+                f"num_replicas_in_sync={self.num_replicas_in_sync})")
+
+
+def _check_merge_call(merge_fn: Any, args: Any, kwargs: Any) -> None:
         if not callable(merge_fn):
             raise TypeError(f"merge_fn must be callable; got {merge_fn!r}")
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"args must be a tuple of positional arguments; got {args!r}")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs must be a dict or None; got {kwargs!r}")
-        return self._host.merge_call(self, merge_fn, tuple(args), kwargs or {})
-
-    def __repr__(self) -> str:
-        return (f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, "
-                f"num_replicas_in_sync={self.num_replicas_in_sync})")
 
 
 class _DefaultReplicaContext(ReplicaContext):
@@ -343,11 +347,6 @@ class _DefaultReplicaContext(ReplicaContext):
     def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (),
                    kwargs: dict | None = None) -> Any:
         """Runs ``merge_fn(strategy, *args, **kwargs)`` in cross-replica context."""
-        if not callable(merge_fn):
-            raise TypeError(f"merge_fn must be callable; got {merge_fn!r}")
-        if not isinstance(args, (tuple, list)):
-            raise TypeError(f"args must be a tuple of positional arguments; got {args!r}")
-        if kwargs is not None and not isinstance(kwargs, dict):
-            raise TypeError(f"kwargs must be a dict or None; got {kwargs!r}")
+        _check_merge_call(merge_fn, args, kwargs)
         with frame(self._strategy, None):
             return merge_fn(self._strategy, *args, **(kwargs or {}))
