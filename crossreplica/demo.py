@@ -262,12 +262,14 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
     result = TrainResult(config, history, seconds, _identical(strategy, copies), model=copies[0], chief=chief)
     if config.save_params is not None and chief:
         torch.save(copies[0].state_dict(), config.save_params)
-    if config.compare:
+    # With the replicas' intra-op thread count: it decides how some kernels sum (the bits).
+    threads = int(strategy.experimental_local_results(strategy.run(_threads))[0])
+    if config.compare and chief:
+        # The chief alone: the other workers' runs on the same cores (workers of one host,
+        # or simulated hosts) would slow it down, and only the chief reports it.
         t0 = time.perf_counter()
         # The layout-invariant mode's parts are the micro-batches (same draws, same split).
         parts = n if config.micro_batches is None else config.micro_batches
-        # With the replicas' intra-op thread count: it decides how some kernels sum (the bits).
-        threads = int(strategy.experimental_local_results(strategy.run(_threads))[0])
         result.reference_threads = threads
         with _intra_op_threads(threads):
             reference = train_reference(config, copy.deepcopy(initial), x_train, y_train, parts)
