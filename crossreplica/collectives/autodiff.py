@@ -34,6 +34,7 @@ so a backward never leaves a peer waiting.
 
 from __future__ import annotations
 
+import cmath
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,7 +42,7 @@ import torch
 
 from ..torch_private import are_functorch_transforms_active, view_base
 from ..context import ReplicaContext, current_replica_context
-from ..engines.base import Call, Kind
+from ..engines.base import Call, Kind, is_inplace
 from ..engines.wire import execute_on_wire
 from ..groups import Groups, group_of
 from ..reduce_op import ReduceOp, from_wire, mean_scale, to_wire
@@ -68,13 +69,31 @@ def raw(rctx: ReplicaContext, kind: Kind, groups: Groups, params: tuple,
         for t in tensors:
             if t.device != device:
                 _wrong_device(current, kind, tensors, device)
+    call = Call.of(kind, groups, params, tensors)
     if (kind is Kind.ALL_REDUCE or kind is Kind.REDUCE_SCATTER) and params[0] is ReduceOp.MEAN:
         scales = [mean_scale(ReduceOp.MEAN, len(groups[0]), t.dtype) for t in tensors]
         if any(s is not None for s in scales):
+            if not _mean_checked_after(kind, groups, call, tensors):
+                return _scaled_mean(rctx, kind, groups, params, tensors, scales)
+            # The plain MEAN first (no extra pass); only a sum past the dtype's range (an inf in
+            # the result) takes the scaled path. Every replica holds the same result, so all of
+            # them take the same branch and make the same engine calls.
+            outs = execute_on_wire(rctx.engine, rctx.replica_id_in_sync_group, call, tensors)
+            # One read-only pass: an inf (or a nan from the inputs) anywhere makes the sum
+            # non-finite; a finite result whose own sum overflows is redone too, needlessly but right.
+            if all(s is None or cmath.isfinite(o.sum().item()) for o, s in zip(outs, scales)):
+                return outs
             return _scaled_mean(rctx, kind, groups, params, tensors, scales)
     # float16/bfloat16 sums accumulate in float32; unsigned ints travel as signed ones (wire.py)
-    return execute_on_wire(rctx.engine, rctx.replica_id_in_sync_group, Call.of(kind, groups, params, tensors),
-                           tensors)
+    return execute_on_wire(rctx.engine, rctx.replica_id_in_sync_group, call, tensors)
+
+
+def _mean_checked_after(kind: Kind, groups: Groups, call: Call, tensors: list[torch.Tensor]) -> bool:
+    """Whether a MEAN may run plain and be redone scaled only when its sum overflowed: an
+    all-reduce over one group (every replica then sees the same result and decides alike)
+    on CPU tensors (a CUDA check would synchronize) that leaves its inputs intact."""
+    return (kind is Kind.ALL_REDUCE and len(groups) == 1 and not is_inplace(call)
+            and all(t.device.type == "cpu" for t in tensors))
 
 
 def _scaled_mean(rctx: ReplicaContext, kind: Kind, groups: Groups, params: tuple, tensors: list[torch.Tensor],
