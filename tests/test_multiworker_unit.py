@@ -134,7 +134,7 @@ def test_store_listens_only_on_master_addr_and_keys_are_secret(monkeypatch, secr
 def test_job_namespace_is_derived_from_the_secret(monkeypatch):
     """The store prefix is a digest of the job secret: different secrets, different prefixes,
     and the secret itself never appears in a key."""
-    from crossreplica.strategies.multi_worker import _job_namespace
+    from crossreplica.strategies.job_store import job_namespace as _job_namespace
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     spaces = set()
@@ -237,3 +237,42 @@ def test_a_worker_cut_off_from_the_store_fails_within_the_timeout(wait):
         store.release.set()
     assert time.monotonic() - start < 1.5 + 2.0, info.value
     assert watchdog.probe.unreachable
+
+
+# --------------------------------------------------------------------------- job secrets that differ
+
+
+@pytest.mark.multiprocess
+def test_workers_with_different_job_secrets_fail_fast_saying_so():
+    """Each worker waits under its own secret's prefix, so they never meet: once both have
+    reached the store, both fail at once with the cause, not after the timeout with torch's
+    opaque DistStoreError; neither reveals a secret."""
+    import subprocess
+    import sys
+
+    from harness import REPO, subprocess_env
+
+    from crossreplica.testing import free_port
+
+    port = str(free_port())
+    code = "import crossreplica as cr; cr.MultiWorkerMirroredStrategy(timeout_seconds=60)"
+    procs = []
+    start = time.monotonic()
+    for rank, secret in enumerate(["secret-of-job-one-4f1a", "secret-of-job-two-9c3b"]):
+        env = {**subprocess_env(), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "CROSSREPLICA_JOB_SECRET": secret}
+        for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE"):
+            env.pop(k, None)
+        procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    try:
+        outs = [p.communicate(timeout=50)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    assert time.monotonic() - start < 30, outs
+    for p, out in zip(procs, outs):
+        assert p.returncode != 0 and "the workers disagree on the job secret" in out, out
+        assert "secret-of-job" not in out

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
 import logging
 import os
 import socket
@@ -45,6 +44,7 @@ from ..logs import ConfigurationWarning
 from ..reduce_op import ReduceOp, from_wire, mean_scale, to_wire
 from ..timeouts import canonical_timeout
 from .base import Strategy, StrategyExtended
+from .job_store import await_workers, job_namespace
 from .logical_devices import group_devices
 
 __all__ = ["MultiWorkerMirroredStrategy", "MultiWorkerExtended"]
@@ -93,32 +93,6 @@ def _listen(address: str, port: int) -> socket.socket:
             f"the store of rank 0 cannot listen on MASTER_ADDR={address!r}, MASTER_PORT={port}: {e}; "
             f"MASTER_ADDR must be an address of rank 0's host and the port free") from None
     return listener
-
-
-#: a torchrun run id shorter than this, or without digits, is warned about as a job secret
-#: (a random hex id has 32 characters; a uuid 36)
-_MIN_RUN_ID = 16
-
-
-def _job_namespace() -> str:
-    """The store prefix of this job: derived from a secret the launcher shares with every
-    worker and nobody else (``CROSSREPLICA_JOB_SECRET``, or torchrun's run id), so a process
-    that reaches the store cannot guess the keys (the abort key among them)."""
-    secret = settings.job_secret() or os.environ.get("TORCHELASTIC_RUN_ID", "")
-    if not secret or secret == "none":
-        warnings.warn(
-            "MultiWorkerMirroredStrategy: no job secret (CROSSREPLICA_JOB_SECRET, or torchrun's "
-            "--rdzv-id / --standalone run id), so the store's keys are predictable to anyone who can "
-            "reach MASTER_ADDR:MASTER_PORT; set CROSSREPLICA_JOB_SECRET to the same random value on "
-            "every worker", ConfigurationWarning, stacklevel=4)
-        secret = "none"
-    elif not settings.job_secret() and (len(secret) < _MIN_RUN_ID or not any(c.isdigit() for c in secret)):
-        warnings.warn(
-            "MultiWorkerMirroredStrategy: torchrun's run id (--rdzv-id) is the job secret here, and this one "
-            "looks easy to guess (short, or a name without digits) for anyone who can reach the store; use a "
-            "random id (`--rdzv-id=$(openssl rand -hex 16)`, the same on every host) or set "
-            "CROSSREPLICA_JOB_SECRET", ConfigurationWarning, stacklevel=4)
-    return hashlib.sha256(f"crossreplica-job:{secret}".encode()).hexdigest()[:32]
 
 
 class MultiWorkerExtended(StrategyExtended):
@@ -404,7 +378,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         if listener is not None:
             listener.detach()  # the store's server now owns the socket; closing ours would close it
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"crossreplica/{_job_namespace()}/attempt{attempt}", tcp_store)
+        store = dist.PrefixStore(f"crossreplica/{job_namespace()}/attempt{attempt}", tcp_store)
         if attempt not in ("", "0"):
             _log.warning("worker rank %d was restarted by the elastic agent (TORCHELASTIC_RESTART_COUNT=%s): "
                          "the previous attempt failed; resume from the last checkpoint", rank, attempt)
@@ -412,6 +386,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                   "MASTER_PORT=%d (%s), timeout %gs", rank, world, backend, address, port,
                   "the elastic agent's store" if agent_store else
                   "served by this worker" if is_master else "served by rank 0", timeout)
+        await_workers(tcp_store, store, attempt, world, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=td)
         return True
 
