@@ -1,0 +1,180 @@
+"""Simulated hosts: network namespaces on a bridge, each a host as far as a job can tell.
+
+Each host gets its own network namespace (an address on a shared bridge, its
+own loopback), and every command started on it its own UTS and mount
+namespaces: its own hostname, ``/etc/hosts`` (naming every host), ``/dev/shm``
+and ``/tmp``. So same-host shortcuts (shared memory, loopback) do not reach
+across hosts, and a link can be cut (``link_down``) or rate-limited (``tc``
+token bucket) per host. Needs root and iproute2 (``ip``, ``tc``) and
+util-linux (``unshare``); :func:`available` says why not when they are
+missing.
+
+Everything created (namespaces, veths, the bridge, processes) is removed by
+:meth:`SimulatedHosts.close`, which the context manager always calls; names
+carry a random suffix, so runs side by side never collide.
+
+    with SimulatedHosts(2) as hosts:
+        p = hosts.start(0, ["python", "-c", "import socket; print(socket.gethostname())"])
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["SimulatedHosts", "available"]
+
+#: The private /24 the hosts' addresses come from (host i is .(10 + i)).
+SUBNET = "10.213.{n}"
+
+
+def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=30)
+
+
+def available() -> str | None:
+    """None when simulated hosts can be made here, else the reason they cannot."""
+    if os.geteuid() != 0:
+        return "simulated hosts need root (network namespaces)"
+    for tool in ("ip", "unshare", "tc"):
+        if shutil.which(tool) is None:
+            return f"simulated hosts need {tool!r} on PATH"
+    name = f"crprobe{secrets.token_hex(3)}"
+    try:
+        made = _run("ip", "netns", "add", name, check=False)
+        if made.returncode != 0:
+            return f"network namespaces cannot be made here: {made.stderr.strip()}"
+        probe = _run("ip", "netns", "exec", name, "unshare", "--uts", "--mount", "true", check=False)
+        if probe.returncode != 0:
+            return f"UTS and mount namespaces cannot be made here: {probe.stderr.strip()}"
+    finally:
+        _run("ip", "netns", "del", name, check=False)
+    return None
+
+
+class SimulatedHosts:
+    """``n`` hosts on one bridge; see the module docstring.
+
+    Args:
+        n: the number of hosts (2 to 200).
+        rate: a ``tc`` rate for each host's link (e.g. "1gbit"); None: unlimited.
+    """
+
+    def __init__(self, n: int = 2, rate: str | None = None):
+        if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= 200:
+            raise ValueError(f"n must be an int from 2 to 200 (hosts); got {n!r}")
+        reason = available()
+        if reason is not None:
+            raise RuntimeError(reason)
+        self.n = n
+        self.rate = rate
+        tag = secrets.token_hex(3)
+        self.bridge = f"crb{tag}"
+        self.namespaces = [f"cr{tag}h{i}" for i in range(n)]
+        self._veths = [f"cr{tag}v{i}" for i in range(n)]
+        self.addresses = [f"{SUBNET.format(n=int(tag[:2], 16) % 250)}.{10 + i}" for i in range(n)]
+        self.hostnames = [f"host{i}" for i in range(n)]
+        # Not under /tmp: each host mounts its own /tmp over it.
+        self._dir = tempfile.mkdtemp(prefix="crossreplica-hosts-",
+                                     dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
+        self._procs: list[subprocess.Popen] = []
+        self._made: list[tuple[str, ...]] = []  # what close() removes, in reverse order
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------ set-up
+
+    def _create(self) -> None:
+        _run("ip", "link", "add", self.bridge, "type", "bridge")
+        self._made.append(("ip", "link", "del", self.bridge))
+        _run("ip", "link", "set", self.bridge, "up")
+        every = "127.0.0.1 localhost\n" + "".join(f"{a} {h}\n" for a, h in zip(self.addresses, self.hostnames))
+        for i, name in enumerate(self.hostnames):
+            with open(self._hosts_path(i, False), "w") as f:
+                f.write(every)
+            with open(self._hosts_path(i, True), "w") as f:  # Debian's installer: own name -> 127.0.1.1
+                f.write(f"127.0.0.1 localhost\n127.0.1.1 {name}\n" + every.split("\n", 1)[1])
+        for ns, veth, address in zip(self.namespaces, self._veths, self.addresses):
+            _run("ip", "netns", "add", ns)
+            self._made.append(("ip", "netns", "del", ns))
+            peer = veth + "p"
+            _run("ip", "link", "add", veth, "type", "veth", "peer", "name", peer)
+            self._made.append(("ip", "link", "del", veth))
+            _run("ip", "link", "set", veth, "master", self.bridge)
+            _run("ip", "link", "set", veth, "up")
+            _run("ip", "link", "set", peer, "netns", ns)
+            _run("ip", "-n", ns, "link", "set", peer, "name", "eth0")
+            _run("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
+            _run("ip", "-n", ns, "link", "set", "eth0", "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            if self.rate is not None:
+                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
+                     self.rate, "burst", "256kb", "latency", "50ms")
+
+    def _hosts_path(self, host: int, debian_loopback: bool) -> str:
+        return os.path.join(self._dir, f"hosts{host}{'-debian' if debian_loopback else ''}")
+
+    # ------------------------------------------------------------ processes
+
+    def start(self, host: int, argv: Sequence[str], env: dict[str, str] | None = None,
+              debian_loopback: bool = False, **popen: Any) -> subprocess.Popen:
+        """Starts ``argv`` on ``host`` (its own hostname, /etc/hosts, /dev/shm and /tmp), in a
+        process group of its own; :meth:`close` kills whatever is still running."""
+        if not 0 <= host < self.n:
+            raise ValueError(f"host must be in [0, {self.n}); got {host!r}")
+        script = (f"hostname {self.hostnames[host]} && mount -t tmpfs tmpfs /dev/shm && "
+                  f"mount -t tmpfs tmpfs /tmp && mount --bind {self._hosts_path(host, debian_loopback)} "
+                  f"/etc/hosts && exec \"$@\"")
+        cmd = ["ip", "netns", "exec", self.namespaces[host], "unshare", "--uts", "--mount",
+               "--propagation", "private", "sh", "-c", script, "sh", *argv]
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, **popen)
+        self._procs.append(proc)
+        return proc
+
+    def link_down(self, host: int) -> None:
+        """Cuts ``host``'s link: its packets are dropped, nothing is reset."""
+        _run("ip", "link", "set", self._veths[host], "down")
+
+    def link_up(self, host: int) -> None:
+        _run("ip", "link", "set", self._veths[host], "up")
+
+    # ------------------------------------------------------------ tear-down
+
+    def close(self) -> None:
+        """Kills every process started here (and anything left in the namespaces), then removes
+        the namespaces, links and bridge."""
+        for proc in self._procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for ns in self.namespaces:
+            pids = _run("ip", "netns", "pids", ns, check=False).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+        while self._made:
+            _run(*self._made.pop(), check=False)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> SimulatedHosts:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

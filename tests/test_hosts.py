@@ -1,0 +1,126 @@
+"""Across hosts, on simulated hosts (crossreplica.testing.hosts): network namespaces on a
+bridge, each with its own address, hostname, /etc/hosts, /dev/shm and /tmp.
+
+* The demo trains across 2 hosts (1 and 2 processes each, launched by torchrun on each
+  host) to bitwise the parameters of one device, in the layout-invariant mode.
+* A cut link: both sides of the partition fail within the timeout (plus a small
+  bound), the cut-off side saying the store stopped answering it.
+
+Skipped, with the reason, where namespaces cannot be made (not root, no iproute2).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+from harness import REPO, subprocess_env
+
+from crossreplica.testing.hosts import SimulatedHosts, available
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.hosts,
+              pytest.mark.skipif(available() is not None, reason=str(available()))]
+
+
+def _env() -> dict[str, str]:
+    env = subprocess_env()
+    env["CROSSREPLICA_JOB_SECRET"] = secrets.token_hex(16)  # every worker of the job: the same
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    return env
+
+
+def _port() -> int:
+    # Each host is a fresh network namespace: nothing else listens there.
+    return 20000 + secrets.randbelow(20000)
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    deadline = time.monotonic() + timeout
+    return [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
+
+
+TRAIN = ["-m", "crossreplica.cli", "train", "--epochs", "1", "--batch-size", "48", "--no-progress",
+         "--no-compare", "--layout-invariant", "--micro-batches", "8"]
+
+
+@pytest.mark.parametrize("per_host", [1, 2])
+def test_the_demo_across_two_hosts_trains_the_bits_of_one_device(per_host):
+    out_dir = tempfile.mkdtemp(prefix="crossreplica-hosts-test-", dir="/var/tmp")
+    try:
+        one = os.path.join(out_dir, "one.pt")
+        subprocess.run([sys.executable, *TRAIN, "--strategy", "one_device", "--save-params", one], cwd=REPO,
+                       env=_env(), check=True, capture_output=True, timeout=120)
+        hosts_pt = os.path.join(out_dir, "hosts.pt")
+        env = _env()
+        with SimulatedHosts(2) as hosts:
+            endpoint = f"{hosts.addresses[0]}:{_port()}"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc-per-node={per_host}",
+                   "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={secrets.token_hex(8)}",
+                   *TRAIN, "--strategy", "multi_worker", "--save-params", hosts_pt]
+            procs = [hosts.start(h, cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True) for h in range(2)]
+            outs = _wait_all(procs, timeout=240)
+        for p, out in zip(procs, outs):
+            assert p.returncode == 0, out
+        assert f"multi_worker strategy, {2 * per_host} replica(s) in sync" in outs[0] + outs[1]
+        a, b = torch.load(one, weights_only=True), torch.load(hosts_pt, weights_only=True)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    finally:
+        import shutil
+
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+_LOOP = """
+import sys, time
+import torch
+import crossreplica as cr
+s = cr.MultiWorkerMirroredStrategy(timeout_seconds=float(sys.argv[1]))
+print("ready", flush=True)
+start = None
+try:
+    while True:
+        s.run(lambda: cr.all_reduce(torch.ones(4)))
+        start = time.monotonic()
+        time.sleep(0.02)
+except Exception as e:
+    print(f"FAILED {type(e).__name__} after {time.monotonic() - start:.1f}s: {e}", flush=True)
+    sys.exit(3)
+"""
+
+
+def test_both_sides_of_a_cut_link_fail_within_the_timeout():
+    timeout = 8.0
+    with SimulatedHosts(2) as hosts:
+        port = str(_port())
+        procs = []
+        job = _env()
+        for h in range(2):
+            env = {**job, "RANK": str(h), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                   "MASTER_ADDR": hosts.addresses[0], "MASTER_PORT": port}
+            procs.append(hosts.start(h, [sys.executable, "-c", _LOOP, str(timeout)], env=env, cwd=REPO,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        early = ["", ""]
+        for h, p in enumerate(procs):  # both in the loop (c10d may warn first)
+            assert p.stdout is not None
+            while (line := p.stdout.readline()) and line.strip() != "ready":
+                early[h] += line
+            assert line, early[h]
+        time.sleep(0.5)
+        cut = time.monotonic()
+        hosts.link_down(1)
+        outs = [a + b for a, b in zip(early, _wait_all(procs, timeout=timeout + 30))]
+        took = time.monotonic() - cut
+    print(f"both sides failed {took:.1f}s after the cut (timeout {timeout:g}s)")
+    assert took < timeout + 10, (took, outs)
+    assert all(p.returncode == 3 for p in procs), outs
+    assert "CollectiveTimeoutError" in outs[0] or "WorkerFailedError" in outs[0], outs[0]
+    assert "worker ranks [1]" in outs[0], outs[0]
+    assert "stopped answering this worker" in outs[1], outs[1]
