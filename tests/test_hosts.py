@@ -124,3 +124,37 @@ def test_both_sides_of_a_cut_link_fail_within_the_timeout():
     assert "CollectiveTimeoutError" in outs[0] or "WorkerFailedError" in outs[0], outs[0]
     assert "worker ranks [1]" in outs[0], outs[0]
     assert "stopped answering this worker" in outs[1], outs[1]
+
+
+def test_the_demo_across_hosts_whose_name_resolves_to_loopback():
+    """Debian's /etc/hosts maps the host's own name to 127.0.1.1: gloo would advertise that
+    to the peer (which then fails, while rank 0 hung for minutes). The strategy gives gloo
+    the interface that routes to MASTER_ADDR, and the job trains."""
+    env = _env()
+    env["CROSSREPLICA_TIMEOUT"] = "30"
+    with SimulatedHosts(2) as hosts:
+        port = str(_port())
+        procs = [hosts.start(h, [sys.executable, *TRAIN, "--strategy", "multi_worker"], debian_loopback=True,
+                             env={**env, "RANK": str(h), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                                  "MASTER_ADDR": hosts.addresses[0], "MASTER_PORT": port},
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for h in range(2)]
+        outs = _wait_all(procs, timeout=120)
+    assert all(p.returncode == 0 for p in procs), outs
+    assert "bitwise identical (all workers): yes" in outs[0]
+
+
+_CHOICE = ("import crossreplica.strategies.network as n; print('CHOICE', n.choose_gloo_interface({addr!r}))")
+
+
+@pytest.mark.parametrize("debian, ifname, want", [(True, None, "eth0"), (False, None, "None"),
+                                                  (True, "lo", "None")])
+def test_the_gloo_interface_is_chosen_only_when_the_default_cannot_work(debian, ifname, want):
+    env = _env()
+    if ifname is not None:
+        env["GLOO_SOCKET_IFNAME"] = ifname  # the user's choice stands
+    with SimulatedHosts(2) as hosts:
+        p = hosts.start(1, [sys.executable, "-c", _CHOICE.format(addr=hosts.addresses[0])], env=env, cwd=REPO,
+                        debian_loopback=debian, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out = _wait_all([p], timeout=60)[0]
+    assert f"CHOICE {want}" in out, out

@@ -276,3 +276,22 @@ def test_workers_with_different_job_secrets_fail_fast_saying_so():
     for p, out in zip(procs, outs):
         assert p.returncode != 0 and "the workers disagree on the job secret" in out, out
         assert "secret-of-job" not in out
+
+
+def test_a_set_up_stuck_in_the_backend_ends_the_process_with_the_cause():
+    """init_process_group can block in gloo's C++ connect loop: past the timeout plus a grace
+    the process says why on stderr and exits (code 1) instead of hanging."""
+    import subprocess
+    import sys
+
+    from harness import REPO, subprocess_env
+
+    code = ("import time; from crossreplica.strategies import network; network.GRACE_SECONDS = 0.2\n"
+            "with network.bounded('forming the process group', 0.3, 'Set GLOO_SOCKET_IFNAME.'):\n"
+            "    time.sleep(30)\n")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1 and time.monotonic() - start < 20
+    assert "forming the process group did not finish within the timeout (0.3s)" in done.stderr
+    assert "Set GLOO_SOCKET_IFNAME." in done.stderr

@@ -46,6 +46,7 @@ from ..timeouts import canonical_timeout
 from .base import Strategy, StrategyExtended
 from .job_store import await_workers, job_namespace
 from .logical_devices import group_devices
+from .network import bounded, choose_gloo_interface
 
 __all__ = ["MultiWorkerMirroredStrategy", "MultiWorkerExtended"]
 
@@ -387,7 +388,19 @@ class MultiWorkerMirroredStrategy(Strategy):
                   "the elastic agent's store" if agent_store else
                   "served by this worker" if is_master else "served by rank 0", timeout)
         await_workers(tcp_store, store, attempt, world, timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=td)
+        if backend == "gloo":
+            iface = choose_gloo_interface(address)
+            if iface is not None:
+                os.environ["GLOO_SOCKET_IFNAME"] = iface
+                _log.info("this host's name %r resolves to a loopback address (e.g. Debian's /etc/hosts: "
+                          "127.0.1.1), which workers on other hosts cannot reach; gloo uses %s, the interface "
+                          "that routes to MASTER_ADDR=%s (set GLOO_SOCKET_IFNAME to choose another)",
+                          socket.gethostname(), iface, address)
+        with bounded(f"forming the process group (worker rank {rank} of {world}, backend {backend})", timeout,
+                     "Check that every host reaches the others at the address gloo advertises (this host's "
+                     "name must not resolve to 127.0.1.1 when peers are remote), or set GLOO_SOCKET_IFNAME "
+                     "(NCCL_SOCKET_IFNAME) to the interface that reaches MASTER_ADDR"):
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=td)
         return True
 
     def close(self) -> None:
