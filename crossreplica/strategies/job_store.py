@@ -62,15 +62,18 @@ def await_workers(raw: Any, job: Any, attempt: str, world: int, timeout: float) 
             not all of them within ``timeout`` seconds (naming how many did).
     """
     everyone = f"crossreplica/arrivals/attempt{attempt}"  # a count only: no secret in it
-    raw.add(everyone, 1)
+    # In this order, and read back in the reverse: every worker counted in ``everyone`` has
+    # counted itself under its own prefix already, so ``mine`` read after ``total`` includes
+    # every worker of this job that ``total`` does.
     job.add("arrivals", 1)
+    raw.add(everyone, 1)
     deadline = time.monotonic() + timeout
     pause = 0.001
     while True:
+        total = raw.add(everyone, 0)
         mine = job.add("arrivals", 0)
         if mine >= world:
             return
-        total = raw.add(everyone, 0)
         if total >= world:
             raise RuntimeError(
                 f"the workers disagree on the job secret: {total} workers reached the store at "
