@@ -50,8 +50,9 @@ TRAIN = ["-m", "crossreplica.cli", "train", "--epochs", "1", "--batch-size", "48
          "--no-compare", "--layout-invariant", "--micro-batches", "8"]
 
 
-@pytest.mark.parametrize("per_host", [1, 2])
-def test_the_demo_across_two_hosts_trains_the_bits_of_one_device(per_host):
+@pytest.mark.parametrize("per_host, replicas_per_worker", [(1, 1), (2, 1), (1, 2)],
+                         ids=["2x1", "2x2", "2x1x2-replicas"])
+def test_the_demo_across_two_hosts_trains_the_bits_of_one_device(per_host, replicas_per_worker):
     out_dir = tempfile.mkdtemp(prefix="crossreplica-hosts-test-", dir="/var/tmp")
     try:
         one = os.path.join(out_dir, "one.pt")
@@ -63,13 +64,15 @@ def test_the_demo_across_two_hosts_trains_the_bits_of_one_device(per_host):
             endpoint = f"{hosts.addresses[0]}:{_port()}"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc-per-node={per_host}",
                    "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={secrets.token_hex(8)}",
-                   *TRAIN, "--strategy", "multi_worker", "--save-params", hosts_pt]
+                   *TRAIN, "--strategy", "multi_worker", "--replicas-per-worker", str(replicas_per_worker),
+                   "--save-params", hosts_pt]
             procs = [hosts.start(h, cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  text=True) for h in range(2)]
             outs = _wait_all(procs, timeout=240)
         for p, out in zip(procs, outs):
             assert p.returncode == 0, out
-        assert f"multi_worker strategy, {2 * per_host} replica(s) in sync" in outs[0] + outs[1]
+        replicas = 2 * per_host * replicas_per_worker
+        assert f"multi_worker strategy, {replicas} replica(s) in sync" in outs[0] + outs[1]
         a, b = torch.load(one, weights_only=True), torch.load(hosts_pt, weights_only=True)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     finally:
@@ -158,3 +161,15 @@ def test_the_gloo_interface_is_chosen_only_when_the_default_cannot_work(debian, 
                         debian_loopback=debian, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         out = _wait_all([p], timeout=60)[0]
     assert f"CHOICE {want}" in out, out
+
+
+def test_the_script_runs_a_command_on_every_host_and_leaves_nothing():
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    done = subprocess.run([os.path.join(REPO, "scripts", "hosts"), "2", "--", "sh", "-c", "echo {i} $(hostname) {addr1}"],
+                          capture_output=True, text=True, timeout=120, env=_env())
+    assert done.returncode == 0, done.stderr
+    lines = sorted(done.stdout.split("\n")[:2])
+    assert [line.split()[:2] for line in lines] == [["0", "host0"], ["1", "host1"]], done.stdout
+    assert lines[0].split()[2] == lines[1].split()[2]  # {addr1}: the same address on both
+    after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    assert after == before

@@ -15,15 +15,21 @@ carry a random suffix, so runs side by side never collide.
 
     with SimulatedHosts(2) as hosts:
         p = hosts.start(0, ["python", "-c", "import socket; print(socket.gethostname())"])
+
+From a shell: ``scripts/hosts N [--rate R] [--debian-loopback] -- CMD ...`` runs CMD on
+each host, ``{addr0}``, ``{addr1}``, ... and ``{i}`` (the host's index) filled in.
 """
 
 from __future__ import annotations
 
+import argparse
+import atexit
 import os
 import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import Sequence
 from typing import Any
@@ -85,6 +91,7 @@ class SimulatedHosts:
                                      dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
         self._procs: list[subprocess.Popen] = []
         self._made: list[tuple[str, ...]] = []  # what close() removes, in reverse order
+        atexit.register(self.close)  # the last resort: a with-block always closes first
         try:
             self._create()
         except BaseException:
@@ -172,9 +179,42 @@ class SimulatedHosts:
         while self._made:
             _run(*self._made.pop(), check=False)
         shutil.rmtree(self._dir, ignore_errors=True)
+        atexit.unregister(self.close)
 
     def __enter__(self) -> SimulatedHosts:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``scripts/hosts``: a command on every simulated host; the highest exit code."""
+    parser = argparse.ArgumentParser(prog="scripts/hosts", description="Runs CMD on N simulated hosts; "
+                                     "{addr0}, {addr1}, ... and {i} in CMD are filled in per host.")
+    parser.add_argument("n", type=int, help="the number of hosts")
+    parser.add_argument("--rate", default=None, help="each link's rate (tc tbf), e.g. 1gbit")
+    parser.add_argument("--debian-loopback", action="store_true",
+                        help="each host's own name resolves to 127.0.1.1, as Debian's /etc/hosts has it")
+    parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ...")
+    args = parser.parse_args(argv)
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        parser.error("no command given after --")
+    reason = available()
+    if reason is not None:
+        print(f"scripts/hosts: {reason}", file=sys.stderr)
+        return 2
+    with SimulatedHosts(args.n, rate=args.rate) as hosts:
+        fields = {f"addr{j}": a for j, a in enumerate(hosts.addresses)}
+        procs = [hosts.start(i, [c.format(i=i, **fields) for c in cmd], debian_loopback=args.debian_loopback)
+                 for i in range(args.n)]
+        try:
+            codes = [p.wait() for p in procs]
+        except KeyboardInterrupt:
+            return 130
+    return max(codes, key=abs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
