@@ -26,6 +26,7 @@ import argparse
 import atexit
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -62,6 +63,15 @@ def available() -> str | None:
     finally:
         _run("ip", "netns", "del", name, check=False)
     return None
+
+
+def _under_tmp(cwd: Any) -> list[str]:
+    """The paths a host must still see that lie under /tmp: this checkout of crossreplica, the
+    Python environment and ``cwd`` (outermost only)."""
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = {os.path.realpath(p) for p in (os.path.dirname(package_root), sys.prefix, cwd) if p}
+    under = sorted(p for p in paths if p.startswith("/tmp/"))
+    return [p for p in under if not any(p.startswith(q + "/") for q in under if q != p)]
 
 
 class SimulatedHosts:
@@ -138,9 +148,15 @@ class SimulatedHosts:
         process group of its own; :meth:`close` kills whatever is still running."""
         if not 0 <= host < self.n:
             raise ValueError(f"host must be in [0, {self.n}); got {host!r}")
+        # The host's own /tmp hides the machine's; what the command runs from (this checkout, the
+        # Python environment, its working directory) stays visible where it lies under /tmp.
+        old = os.path.join(self._dir, "machine-tmp")
+        os.makedirs(old, exist_ok=True)
+        keep = "".join(f" && mkdir -p {shlex.quote(path)} && mount --bind {shlex.quote(old + path[4:])} "
+                       f"{shlex.quote(path)}" for path in _under_tmp(popen.get("cwd")))
         script = (f"hostname {self.hostnames[host]} && mount -t tmpfs tmpfs /dev/shm && "
-                  f"mount -t tmpfs tmpfs /tmp && mount --bind {self._hosts_path(host, debian_loopback)} "
-                  f"/etc/hosts && exec \"$@\"")
+                  f"mount --bind /tmp {shlex.quote(old)} && mount -t tmpfs tmpfs /tmp{keep} && "
+                  f"mount --bind {self._hosts_path(host, debian_loopback)} /etc/hosts && exec \"$@\"")
         cmd = ["ip", "netns", "exec", self.namespaces[host], "unshare", "--uts", "--mount",
                "--propagation", "private", "sh", "-c", script, "sh", *argv]
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, **popen)
