@@ -47,3 +47,14 @@ def subprocess_env() -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", "1")
     env.pop("CROSSREPLICA_CHECK_COLLECTIVES", None)
     return env
+
+
+def run_layout(main: Callable[..., Any], layout: tuple[str, int, int], *args: Any) -> list[Any]:
+    """``main(strategy, *args)`` once per worker of ``layout`` (engine, workers, replicas per
+    worker): in this process on MirroredStrategy, or on worker processes; the per-worker results."""
+    engine, workers, per_worker = layout
+    if engine == "threads":
+        import crossreplica as cr
+
+        return [main(cr.MirroredStrategy(per_worker), *args)]
+    return crt.run_workers(main, workers, per_worker, args=args)

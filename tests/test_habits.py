@@ -18,6 +18,8 @@ import warnings
 import pytest
 import torch
 
+from harness import run_layout as run_main
+
 import crossreplica as cr
 from crossreplica.logs import ReplicasDivergeWarning
 from crossreplica.testing import run_workers
@@ -28,12 +30,6 @@ LAYOUTS = [
 ]
 
 
-def run_main(main, layout, *args) -> list:
-    """``main(strategy, *args)`` once per worker of ``layout``; the per-worker results."""
-    engine, workers, per_worker = layout
-    if engine == "threads":
-        return [main(cr.MirroredStrategy(per_worker), *args)]
-    return run_workers(main, workers, per_worker, args=args)
 
 
 def _data(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,8 +16,9 @@ import warnings
 import pytest
 import torch
 
+from harness import run_layout as run_main
+
 import crossreplica as cr
-from crossreplica.testing import run_workers
 
 # (engine, workers, replicas per worker)
 LAYOUTS = [
@@ -28,12 +29,6 @@ LAYOUTS = [
 STEPS, ROWS, LR = 3, 8, 0.1
 
 
-def run_main(main, layout, *args) -> list:
-    """``main(strategy, *args)`` once per worker of ``layout``; the per-worker results."""
-    engine, workers, per_worker = layout
-    if engine == "threads":
-        return [main(cr.MirroredStrategy(per_worker), *args)]
-    return run_workers(main, workers, per_worker, args=args)
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:

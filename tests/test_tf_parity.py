@@ -17,8 +17,9 @@ from fractions import Fraction
 import pytest
 import torch
 
+from harness import run_layout as run_main
+
 import crossreplica as cr
-from crossreplica.testing import run_workers
 
 # (engine, workers, replicas per worker)
 LAYOUTS = [
@@ -27,12 +28,6 @@ LAYOUTS = [
 ]
 
 
-def run_main(main, layout, *args) -> list:
-    """``main(strategy, *args)`` once per worker of ``layout``; the per-worker results."""
-    engine, workers, per_worker = layout
-    if engine == "threads":
-        return [main(cr.MirroredStrategy(per_worker), *args)]
-    return run_workers(main, workers, per_worker, args=args)
 
 
 def _per_replica(strategy, fn):

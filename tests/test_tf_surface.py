@@ -17,8 +17,9 @@ import pickle
 import pytest
 import torch
 
+from harness import run_layout as run_main
+
 import crossreplica as cr
-from crossreplica.testing import run_workers
 
 # (engine, workers, replicas per worker)
 LAYOUTS = [
@@ -27,12 +28,6 @@ LAYOUTS = [
 ]
 
 
-def run_main(main, layout) -> list:
-    """``main(strategy)`` once per worker of ``layout``; the per-worker results."""
-    engine, workers, per_worker = layout
-    if engine == "threads":
-        return [main(cr.MirroredStrategy(per_worker))]
-    return run_workers(main, workers, per_worker)
 
 
 def _per_replica(strategy, fn):

@@ -68,9 +68,9 @@ class TFCompatMethods:
 class TFCompatExtended:
     """The ``strategy.extended`` side: worker facts and non-slot updates."""
 
-    @property
-    def worker_devices(self) -> tuple[torch.device, ...]:
-        raise NotImplementedError  # LogicalDeviceExtended's, earlier in StrategyExtended's bases
+    if TYPE_CHECKING:  # LogicalDeviceExtended's property, earlier in StrategyExtended's bases
+        @property
+        def worker_devices(self) -> tuple[torch.device, ...]: ...
 
     # ------------------------------------------------------------ workers
 
