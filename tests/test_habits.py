@@ -30,8 +30,6 @@ LAYOUTS = [
 ]
 
 
-
-
 def _data(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return torch.randn(n, 4, generator=g), torch.randn(n, 2, generator=g)

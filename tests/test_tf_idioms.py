@@ -29,8 +29,6 @@ LAYOUTS = [
 STEPS, ROWS, LR = 3, 8, 0.1
 
 
-
-
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     return [(torch.randn(ROWS, 3, generator=g), torch.randn(ROWS, 1, generator=g)) for _ in range(STEPS)]

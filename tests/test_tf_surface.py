@@ -28,8 +28,6 @@ LAYOUTS = [
 ]
 
 
-
-
 def _per_replica(strategy, fn):
     """A PerReplica with ``fn(global replica id)`` for each local replica."""
     return strategy.experimental_distribute_values_from_function(lambda ctx: fn(ctx.replica_id_in_sync_group))
