@@ -27,7 +27,7 @@ from .errors import ConfigurationWarning
 from .timeouts import MAX_TIMEOUT, canonical_timeout
 
 __all__ = ["PREFIX", "SETTINGS", "Setting", "check_collectives", "describe", "get", "job_secret",
-           "parallel_bytes", "shared_memory", "shared_rows_members", "slow_seconds", "timeout"]
+           "heartbeat_seconds", "parallel_bytes", "shared_memory", "shared_rows_members", "slow_seconds", "timeout"]
 
 PREFIX = "CROSSREPLICA_"
 
@@ -102,6 +102,7 @@ SHARED_MEMORY = "CROSSREPLICA_SHARED_MEMORY"
 JOB_SECRET = "CROSSREPLICA_JOB_SECRET"
 PARALLEL_BYTES = "CROSSREPLICA_PARALLEL_BYTES"
 SHARED_ROWS_MEMBERS = "CROSSREPLICA_SHARED_ROWS_MEMBERS"
+HEARTBEAT_SECONDS = "CROSSREPLICA_HEARTBEAT_SECONDS"
 
 #: Every CROSSREPLICA_* variable, in the order docs/settings.md lists them.
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
@@ -111,6 +112,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting(SLOW_SECONDS, "seconds", None,
             "how long a collective waits before a WARNING names the replicas not arrived; "
             "unset: a tenth of the timeout, at most 10 s"),
+    Setting(HEARTBEAT_SECONDS, "seconds", 2.0,
+            "how long a worker's heartbeat may stop (it died, froze or lost its network) before the "
+            "workers waiting for it in a collective fail naming it"),
     Setting(CHECK_COLLECTIVES, "flag", False,
             "MultiWorkerMirroredStrategy's check_collectives when the argument is not given"),
     Setting(SHARED_MEMORY, "flag", True,
@@ -179,6 +183,11 @@ def slow_seconds() -> float | None:
     """The slow-collective threshold set by ``CROSSREPLICA_SLOW_SECONDS``; None when unset."""
     value = get(SLOW_SECONDS)
     return None if value is None else float(value)
+
+
+def heartbeat_seconds() -> float:
+    """How long a worker's heartbeat may stop before the workers waiting for it fail."""
+    return float(get(HEARTBEAT_SECONDS))
 
 
 def check_collectives() -> bool:

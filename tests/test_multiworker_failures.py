@@ -10,6 +10,8 @@ so each reports what it saw.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import time
 
 import pytest
@@ -58,6 +60,40 @@ def test_dead_worker_fails_the_others_promptly():
     assert survivor.is_instance("WorkerFailedError"), survivor
     assert "all_gather" in survivor.message and "worker ranks [1]" in survivor.message, survivor
     assert survivor.elapsed < COLLECTIVE_TIMEOUT / 2, survivor
+
+
+def lose_the_last_two(x: torch.Tensor, how: str) -> torch.Tensor:
+    y = cr.all_reduce(x, "sum")
+    if cr.replica_id() >= 2 and (how == "kill" or cr.replica_id() == 2):
+        if how == "kill":
+            os._exit(3)
+        subprocess.Popen(["sh", "-c", f"sleep 6; kill -CONT {os.getpid()}"])  # thawed later
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: alive, connections open, silent
+    return cr.all_reduce(y * (1 + cr.replica_id()), "sum")  # ordered: coordinated through the store
+
+
+@pytest.mark.parametrize("how", ["kill", "freeze"])
+def test_lost_workers_among_four_are_all_named_within_seconds(monkeypatch, how):
+    """With more than two workers the survivors may hold no broken connection to the lost
+    ones (or none breaks: a frozen worker), so the heartbeats name them: every lost rank,
+    in seconds rather than at the timeout. A frozen worker, once thawed, stops too (no
+    second job goes on without the others)."""
+    monkeypatch.setenv("CROSSREPLICA_SHARED_MEMORY", "0")  # gloo, as between hosts
+    out = launch(lose_the_last_two, [torch.ones(3)] * 4, [how] * 4, replicas_per_worker=1,
+                 timeout_seconds=COLLECTIVE_TIMEOUT)
+    lost = [2, 3] if how == "kill" else [2]
+    survivors = [0, 1] if how == "kill" else [0, 1, 3]
+    for rank in survivors:
+        err = out.failures[rank]
+        # It saw the loss itself, or was released by the survivor that did (its message quoted).
+        assert err.is_instance("CollectiveTimeoutError") or err.is_instance("ReplicaAborted"), err
+        # a broken connection, or the heartbeat (which alone sees a frozen worker)
+        assert f"worker ranks {lost}" in err.message, err
+        assert "stopped answering" in err.message or how == "kill", err
+        assert err.elapsed < 10, err  # the heartbeat's 2 s, not the 60 s timeout
+    if how == "freeze":
+        thawed = out.failures[2]
+        assert thawed.is_instance("ReplicaAborted") and "worker ranks [2] stopped answering" in thawed.message
 
 
 def hang_on_rank1(x: torch.Tensor) -> torch.Tensor:

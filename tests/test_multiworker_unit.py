@@ -278,6 +278,54 @@ def test_workers_with_different_job_secrets_fail_fast_saying_so():
         assert "secret-of-job" not in out
 
 
+def test_each_start_of_a_job_meets_under_a_token_of_its_own_whatever_the_attempt_numbers(monkeypatch):
+    """torchrun's agent keeps one store for the whole job, and after a restart the agents'
+    attempt numbers differ from host to host. Each start still meets under one token: the
+    keys of the earlier start (its answers and arrivals) are never taken for this one's,
+    even when the other ranks ask before rank 0 of the new start exists."""
+    import threading
+
+    from crossreplica.strategies.job_store import form_job
+    from crossreplica.testing import free_port
+
+    monkeypatch.setenv("CROSSREPLICA_JOB_SECRET", "a-secret-for-this-test-1234")
+    port, world = free_port(), 3
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+
+    def start(order: list[int], attempts: list[str]) -> list[str]:
+        tokens: list[str] = [""] * world
+        errors: list[BaseException] = []
+
+        def worker(rank: int) -> None:
+            monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempts[rank])  # ignored by design
+            client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+            try:
+                job = form_job(client, rank, world, timeout=20)
+                job.set(f"seen/{rank}", "1")
+                tokens[rank] = job.get("arrivals").decode()
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = []
+        for rank in order:
+            threads.append(threading.Thread(target=worker, args=(rank,)))
+            threads[-1].start()
+            time.sleep(0.3)  # the later ranks of ``order`` start late
+        for t in threads:
+            t.join(30)
+        assert not errors, errors
+        return tokens
+
+    first = start([0, 1, 2], ["0", "0", "0"])
+    assert first == ["3"] * world  # every worker counted once, under one prefix
+    # The restart: ranks 1 and 2 ask before the new rank 0 exists; rank 2's agent counted a
+    # restart, the others a membership change.
+    second = start([1, 2, 0], ["0", "0", "1"])
+    assert second == ["3"] * world  # a fresh prefix: the first start's arrivals are not counted
+    answers = {server.get(f"crossreplica/answer/{r}").decode().partition(":")[0] for r in (1, 2)}
+    assert len(answers) == 1
+
+
 def test_a_set_up_stuck_in_the_backend_ends_the_process_with_the_cause():
     """init_process_group can block in gloo's C++ connect loop: past the timeout plus a grace
     the process says why on stderr and exits (code 1) instead of hanging."""

@@ -42,6 +42,8 @@ BAD = [
     ("CROSSREPLICA_SLOW_SECONDS", "0", _SECONDS),
     ("CROSSREPLICA_SLOW_SECONDS", "-1", _SECONDS),
     ("CROSSREPLICA_SLOW_SECONDS", "inf", _SECONDS),
+    ("CROSSREPLICA_HEARTBEAT_SECONDS", "0", _SECONDS),
+    ("CROSSREPLICA_HEARTBEAT_SECONDS", "often", _SECONDS),
     ("CROSSREPLICA_CHECK_COLLECTIVES", "enabled", _FLAG),
     ("CROSSREPLICA_CHECK_COLLECTIVES", "2", _FLAG),
     ("CROSSREPLICA_SHARED_MEMORY", "maybe", _FLAG),
@@ -100,6 +102,7 @@ def test_building_a_threads_strategy_checks_what_it_reads(monkeypatch, name, raw
 @pytest.mark.parametrize("name,raw", [
     ("CROSSREPLICA_TIMEOUT", "inf"), ("CROSSREPLICA_SLOW_SECONDS", "0"), ("CROSSREPLICA_CHECK_COLLECTIVES", "sure"),
     ("CROSSREPLICA_SHARED_MEMORY", "auto"), ("CROSSREPLICA_JOB_SECRET", "none"),
+    ("CROSSREPLICA_HEARTBEAT_SECONDS", "-1"),
 ])
 def test_multi_worker_checks_its_settings_before_any_set_up(monkeypatch, name, raw):
     _no_launcher(monkeypatch)
@@ -118,6 +121,8 @@ def test_multi_worker_checks_its_settings_before_any_set_up(monkeypatch, name, r
     ("CROSSREPLICA_TIMEOUT", "", 300.0),
     ("CROSSREPLICA_SLOW_SECONDS", "0.5", 0.5),
     ("CROSSREPLICA_SLOW_SECONDS", "  ", None),
+    ("CROSSREPLICA_HEARTBEAT_SECONDS", "", 2.0),
+    ("CROSSREPLICA_HEARTBEAT_SECONDS", "0.5", 0.5),
     ("CROSSREPLICA_CHECK_COLLECTIVES", "YES", True),
     ("CROSSREPLICA_CHECK_COLLECTIVES", " On ", True),
     ("CROSSREPLICA_CHECK_COLLECTIVES", "off", False),

@@ -1,5 +1,5 @@
-"""Where the workers of one job meet: the store prefix their secret gives, and the arrival
-check before the process group forms.
+"""Where the workers of one job meet: the store prefix their secret and this start of the
+job give, and the arrival check before the process group forms.
 
 Layer: strategies (layer 5); see docs/architecture.md.
 
@@ -12,20 +12,29 @@ timeout. :func:`await_workers` makes that a fast, plain error: each worker also
 counts itself under a key every job shares (a count, nothing of the secret), so
 once every worker has arrived while fewer share this worker's secret, the cause
 is known.
+
+Under the prefix, each start of the job (torchrun restarts the workers after a
+failure) gets keys of its own: a token rank 0 draws and hands to the others
+(:func:`round_token`), since the attempt numbers the agents give their workers
+differ from host to host after a restart.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
+
+import torch.distributed as dist
 
 from .. import settings
 from ..logs import ConfigurationWarning
 
-__all__ = ["await_workers", "job_namespace"]
+__all__ = ["await_workers", "form_job", "job_namespace", "round_token"]
 
 #: a torchrun run id shorter than this, or without digits, is warned about as a job secret
 #: (a random hex id has 32 characters; a uuid 36)
@@ -42,34 +51,105 @@ def job_namespace() -> str:
             "MultiWorkerMirroredStrategy: no job secret (CROSSREPLICA_JOB_SECRET, or torchrun's "
             "--rdzv-id / --standalone run id), so the store's keys are predictable to anyone who can "
             "reach MASTER_ADDR:MASTER_PORT; set CROSSREPLICA_JOB_SECRET to the same random value on "
-            "every worker", ConfigurationWarning, stacklevel=4)
+            "every worker", ConfigurationWarning, stacklevel=5)
         secret = "none"
     elif not settings.job_secret() and (len(secret) < _MIN_RUN_ID or not any(c.isdigit() for c in secret)):
         warnings.warn(
             "MultiWorkerMirroredStrategy: torchrun's run id (--rdzv-id) is the job secret here, and this one "
             "looks easy to guess (short, or a name without digits) for anyone who can reach the store; use a "
             "random id (`--rdzv-id=$(openssl rand -hex 16)`, the same on every host) or set "
-            "CROSSREPLICA_JOB_SECRET", ConfigurationWarning, stacklevel=4)
+            "CROSSREPLICA_JOB_SECRET", ConfigurationWarning, stacklevel=5)
     return hashlib.sha256(f"crossreplica-job:{secret}".encode()).hexdigest()[:32]
 
 
-def await_workers(raw: Any, job: Any, attempt: str, world: int, timeout: float) -> None:
-    """Waits until all ``world`` workers of this attempt have reached the store under this
-    job's prefix (``job``, a PrefixStore over ``raw``).
+def form_job(raw: Any, rank: int, world: int, timeout: float) -> Any:
+    """The store every worker of this start of the job shares: a PrefixStore over ``raw``
+    under the job's namespace and this start's token (:func:`round_token`), once all
+    ``world`` workers have arrived there (:func:`await_workers`)."""
+    deadline = time.monotonic() + timeout
+    answer = None
+    if rank == 0:
+        token = secrets.token_hex(8)
+        answer = _Answers(raw, world, token)
+    else:
+        token = round_token(raw, rank, deadline, timeout)
+    job = dist.PrefixStore(f"crossreplica/{job_namespace()}/{token}", raw)
+    await_workers(raw, job, token, world, deadline, timeout, answer)
+    return job
+
+
+def round_token(raw: Any, rank: int, deadline: float, timeout: float) -> str:
+    """The token rank 0 of this start of the job drew, asked for with a fresh greeting.
+
+    torchrun's agent keeps one store for the whole job, and after a restart the
+    agents' attempt numbers differ (the agent whose worker failed counts a restart,
+    the others a membership change), so nothing in the environment names a start of
+    the job on every host. Keys of an earlier start (its token among them) are still
+    in the store; an answer that quotes this worker's fresh greeting can only come
+    from the rank 0 of this start (every worker of an earlier start is gone before a
+    new one begins).
+    """
+    greeting = secrets.token_hex(8)
+    raw.set(f"crossreplica/greeting/{rank}", greeting)
+    key = f"crossreplica/answer/{rank}"
+    pause = 0.001
+    while True:
+        if raw.check([key]):
+            token, _, quoted = raw.get(key).decode().partition(":")
+            if quoted == greeting:
+                return token
+        if time.monotonic() >= deadline:
+            raise RuntimeError(
+                f"worker rank 0 did not answer worker rank {rank} in the store at MASTER_ADDR="
+                f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} within {timeout:g}s; "
+                f"start rank 0 too, and check that every worker reaches that address")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+
+
+class _Answers:
+    """Rank 0's side of :func:`round_token`: answers every greeting it has not answered
+    yet with this start's token (a stale greeting's answer is never read)."""
+
+    def __init__(self, raw: Any, world: int, token: str):
+        self.raw, self.token = raw, token
+        self.keys = {rank: f"crossreplica/greeting/{rank}" for rank in range(1, world)}
+        self.answered: dict[int, str] = {}
+
+    def __call__(self) -> None:
+        raw, keys = self.raw, self.keys
+        if raw.check(list(keys.values())):
+            present = list(keys)
+            values = raw.multi_get([keys[rank] for rank in present])
+        else:
+            present = [rank for rank, key in keys.items() if raw.check([key])]
+            values = [raw.get(keys[rank]) for rank in present]
+        for rank, value in zip(present, values):
+            greeting = value.decode()
+            if self.answered.get(rank) != greeting:
+                raw.set(f"crossreplica/answer/{rank}", f"{self.token}:{greeting}")
+                self.answered[rank] = greeting
+
+
+def await_workers(raw: Any, job: Any, token: str, world: int, deadline: float, timeout: float,
+                  answer: Callable[[], None] | None = None) -> None:
+    """Waits until all ``world`` workers of this start have reached the store under this
+    job's prefix (``job``, a PrefixStore over ``raw``); rank 0 calls ``answer`` meanwhile.
 
     Raises:
         RuntimeError: every worker arrived but some under another job secret (at once), or
-            not all of them within ``timeout`` seconds (naming how many did).
+            not all of them by ``deadline`` (naming how many did).
     """
-    everyone = f"crossreplica/arrivals/attempt{attempt}"  # a count only: no secret in it
+    everyone = f"crossreplica/arrivals/{token}"  # a count only: no secret in it
     # In this order, and read back in the reverse: every worker counted in ``everyone`` has
     # counted itself under its own prefix already, so ``mine`` read after ``total`` includes
     # every worker of this job that ``total`` does.
     job.add("arrivals", 1)
     raw.add(everyone, 1)
-    deadline = time.monotonic() + timeout
     pause = 0.001
     while True:
+        if answer is not None:
+            answer()
         total = raw.add(everyone, 0)
         mine = job.add("arrivals", 0)
         if mine >= world:
@@ -83,7 +163,7 @@ def await_workers(raw: Any, job: Any, attempt: str, world: int, timeout: float) 
         if time.monotonic() >= deadline:
             raise RuntimeError(
                 f"only {mine} of {world} workers reached the store at MASTER_ADDR="
-                f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} within {timeout:g}s (attempt "
-                f"{attempt}); start every worker (WORLD_SIZE={world}) and check that each can reach that address")
+                f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} within {timeout:g}s; "
+                f"start every worker (WORLD_SIZE={world}) and check that each can reach that address")
         time.sleep(pause)
         pause = min(2 * pause, 0.05)

@@ -44,7 +44,7 @@ from ..logs import ConfigurationWarning
 from ..reduce_op import ReduceOp, from_wire, mean_scale, to_wire
 from ..timeouts import canonical_timeout
 from .base import Strategy, StrategyExtended
-from .job_store import await_workers, job_namespace
+from .job_store import form_job
 from .logical_devices import group_devices
 from .network import bounded, choose_gloo_interface
 
@@ -264,6 +264,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         shared = settings.shared_memory()
         settings.job_secret()
         settings.slow_seconds()
+        settings.heartbeat_seconds()
         local_rank = _env_int("LOCAL_RANK", 0) or 0
         groups = group_devices(self._devices(replicas_per_worker, backend, devices, local_rank, k), k)
         devs = [g[0] for g in groups]
@@ -361,8 +362,6 @@ class MultiWorkerMirroredStrategy(Strategy):
         port = _env_int("MASTER_PORT")
         if port is None or not 0 < port < 65536:
             raise ValueError(f"MASTER_PORT={port} must be a TCP port in 1..65535")
-        # torchrun's agent keeps one store across restarts; keys of a previous attempt (gloo's
-        # listening addresses among them) would be read as current, so each attempt gets a prefix.
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         address = os.environ["MASTER_ADDR"]
         is_master = rank == 0 and not agent_store
@@ -379,7 +378,6 @@ class MultiWorkerMirroredStrategy(Strategy):
         if listener is not None:
             listener.detach()  # the store's server now owns the socket; closing ours would close it
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"crossreplica/{job_namespace()}/attempt{attempt}", tcp_store)
         if attempt not in ("", "0"):
             _log.warning("worker rank %d was restarted by the elastic agent (TORCHELASTIC_RESTART_COUNT=%s): "
                          "the previous attempt failed; resume from the last checkpoint", rank, attempt)
@@ -387,7 +385,9 @@ class MultiWorkerMirroredStrategy(Strategy):
                   "MASTER_PORT=%d (%s), timeout %gs", rank, world, backend, address, port,
                   "the elastic agent's store" if agent_store else
                   "served by this worker" if is_master else "served by rank 0", timeout)
-        await_workers(tcp_store, store, attempt, world, timeout)
+        # torchrun's agent keeps one store across restarts: keys of an earlier start (gloo's
+        # listening addresses among them) would be read as current, so each start gets a prefix.
+        store = form_job(tcp_store, rank, world, timeout)
         if backend == "gloo":
             iface = choose_gloo_interface(address)
             if iface is not None:

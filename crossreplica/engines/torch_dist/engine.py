@@ -194,6 +194,7 @@ class TorchDistEngine(Engine):
 
     def close(self) -> None:
         self.planner.close()
+        self.watchdog.close()
         if self.shared_memory is not None:
             self.shared_memory.close()
 

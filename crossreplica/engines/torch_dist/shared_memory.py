@@ -384,6 +384,7 @@ class SharedMemoryReducer:
                     raise WorkerFailedError(
                         f"collective {watchdog.where} failed on worker rank {eng.rank} (same-host shared "
                         f"memory): worker ranks {dead} (replicas {dead}) died", tuple(dead))
+                watchdog.raise_if_peers_lost()  # frozen (SIGSTOP): alive, but its heartbeat stopped
                 if not warned and watchdog.timeout - (deadline - now) >= watchdog.slow:
                     warned = True
                     watchdog.warn_slow(deadline, range(eng.world_size), self._late(rounds))

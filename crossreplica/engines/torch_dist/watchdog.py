@@ -33,6 +33,7 @@ from ... import torch_private as tp
 from ...errors import CollectiveMismatchError, CollectiveTimeoutError, CrossReplicaError, ReplicaAborted
 from ...logs import slow_seconds
 from ..base import Call
+from .heartbeat import Heartbeat, Pulses, describe, period, stopped_after
 from .store_probe import StoreProbe
 
 __all__ = ["Watchdog", "WorkerFailedError", "is_peer_loss"]
@@ -92,6 +93,18 @@ class Watchdog:
         if self.store is not None:
             serial = self.store.add(f"crossreplica/engines-of-rank{rank}", 1)
         self._prefix = f"crossreplica/engine{serial}"
+        #: this worker's heartbeat, and its peers' (a lost peer is named within seconds)
+        self.heartbeat: Heartbeat | None = None
+        self.pulses: Pulses | None = None
+        self._next_pulse_read = 0.0
+        if self.store is not None and world_size > 1:
+            stopped = stopped_after()
+            try:
+                self.heartbeat = Heartbeat(self.store, self._prefix, rank, period(stopped))
+            except Exception as e:  # noqa: BLE001 - a store without clone(): lost peers show at the timeout
+                _log.info("no heartbeat on this store (%s): a lost worker is noticed at the timeout", e)
+            else:
+                self.pulses = Pulses(self._prefix, rank, world_size, stopped)
         #: cross-process calls so far (the same on every worker: SPMD)
         self.count = 0
         #: the call under way, described only if something goes wrong
@@ -186,12 +199,15 @@ class Watchdog:
         base = f"{self._prefix}/meet/{self.count}.{self._meetings}"
         self.probe(None, lambda s: s.set(f"{base}/{self.rank}", what))
         keys = {rank: f"{base}/{rank}" for rank in range(self.world_size) if rank != self.rank}
-        deadline = time.monotonic() + self.timeout
+        start = time.monotonic()
+        deadline = start + self.timeout
         pause = 1e-4
         while not self.probe(False, lambda s: s.check(list(keys.values()))):
             aborted = self.abort_message()
             if aborted is not None:
                 raise ReplicaAborted(f"{aborted}; this worker was released from {what}")
+            if time.monotonic() - start >= _SLICE:
+                self.raise_if_peers_lost()
             absent = [rank for rank, key in keys.items() if not self._posted(key)]
             gone = [rank for rank in absent if self._progress(rank) > self.count]
             if gone:
@@ -208,13 +224,37 @@ class Watchdog:
             time.sleep(pause)
             pause = min(2 * pause, 0.02)
 
+    def close(self) -> None:
+        """Stops this worker's heartbeat (the engine is closed)."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+
+    def raise_if_peers_lost(self) -> None:
+        """Raises WorkerFailedError naming every peer whose heartbeat stopped (read at most
+        once a slice), after telling the other workers through the abort key."""
+        if self.pulses is None:
+            return
+        now = time.monotonic()
+        if now < self._next_pulse_read:
+            return
+        self._next_pulse_read = now + _SLICE
+        lost = self.pulses.lost(lambda call: self.probe(None, call))
+        if lost:
+            message = (f"collective {self.where} failed on worker rank {self.rank}: "
+                       f"{describe(lost, self.pulses.stopped_after)}")
+            self.announce(message)
+            raise WorkerFailedError(message, self._replicas_of(lost))
+
     def _raise_if_aborted_or_late(self, deadline: float, ranks: Sequence[int],
                                   missing: Callable[[], Sequence[int]]) -> None:
-        """Raises if another worker announced a failure, or ``deadline`` has passed
-        (naming the worker ranks ``missing()`` returns and their replicas)."""
+        """Raises if another worker announced a failure, a peer's heartbeat stopped, or
+        ``deadline`` has passed (naming the worker ranks ``missing()`` returns and their
+        replicas)."""
         aborted = self.abort_message()
         if aborted is not None:
             raise ReplicaAborted(f"{aborted}; this worker was released from {self.where}")
+        if self.timeout - (deadline - time.monotonic()) >= _SLICE:  # never on a fast exchange's path
+            self.raise_if_peers_lost()
         if time.monotonic() >= deadline:
             late = list(missing())
             replicas = self._replicas_of(late)
