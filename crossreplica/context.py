@@ -226,7 +226,8 @@ def require_replica_context(api: str) -> "ReplicaContext":
 class ReplicaContext:
     """What a replica function knows about itself and its peers."""
 
-    __slots__ = ("_strategy", "_host", "_replica_id", "_local_index", "_engine", "_run", "micro_batch", "collectives")
+    __slots__ = ("_strategy", "_host", "_replica_id", "_local_index", "_engine", "_run", "micro_batch", "collectives",
+                 "__weakref__")
 
     def __init__(self, strategy: StrategyLike, replica_id: int, local_index: int, engine: "Engine",
                  run: object = None):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -127,6 +128,92 @@ def test_both_sides_of_a_cut_link_fail_within_the_timeout():
     assert "CollectiveTimeoutError" in outs[0] or "WorkerFailedError" in outs[0], outs[0]
     assert "worker ranks [1]" in outs[0], outs[0]
     assert "stopped answering this worker" in outs[1], outs[1]
+
+
+def _start_loop(hosts: SimulatedHosts, per_host: int, timeout: float) -> tuple[list[subprocess.Popen], list[str]]:
+    """``_LOOP`` on every host, launched by hand (rank r on host r // per_host); returns once
+    every worker is in the loop, with what each printed before."""
+    port, job, world = str(_port()), _env(), 2 * per_host
+    procs = []
+    for rank in range(world):
+        env = {**job, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_host),
+               "MASTER_ADDR": hosts.addresses[0], "MASTER_PORT": port}
+        procs.append(hosts.start(rank // per_host, [sys.executable, "-c", _LOOP, str(timeout)], env=env, cwd=REPO,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    early = [""] * world
+    for rank, p in enumerate(procs):  # all in the loop (c10d may warn first)
+        assert p.stdout is not None
+        while (line := p.stdout.readline()) and line.strip() != "ready":
+            early[rank] += line
+        assert line, early[rank]
+    time.sleep(0.5)
+    return procs, early
+
+
+@pytest.mark.parametrize("how", ["kill", "freeze"])
+def test_losing_a_hosts_workers_names_every_one_within_seconds(how):
+    """2 hosts x 2 workers; both of host 1's workers are killed (or frozen with SIGSTOP).
+    No connection of host 0's workers need break, yet they fail within seconds (the
+    heartbeats), naming both lost ranks; frozen workers, once thawed, stop too."""
+    timeout = 60.0
+    with SimulatedHosts(2) as hosts:
+        procs, early = _start_loop(hosts, 2, timeout)
+        lost = time.monotonic()
+        for p in procs[2:]:
+            os.kill(p.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        survivors = _wait_all(procs[:2], timeout=timeout)
+        took = time.monotonic() - lost
+        if how == "freeze":
+            for p in procs[2:]:
+                os.kill(p.pid, signal.SIGCONT)
+            thawed = _wait_all(procs[2:], timeout=30)
+    print(f"host 0's workers failed {took:.1f}s after host 1's were {dict(kill='killed', freeze='frozen')[how]}")
+    outs = [a + b for a, b in zip(early, survivors)]
+    assert all(p.returncode == 3 for p in procs[:2]), outs
+    assert took < 10, (took, outs)  # the heartbeat's 2 s, not the 60 s timeout
+    assert any("worker ranks [2, 3] stopped answering" in out for out in outs), outs
+    if how == "freeze":
+        assert all(p.returncode == 3 for p in procs[2:]), thawed  # no second job carries on
+
+
+def test_a_worker_killed_on_one_host_is_restarted_and_the_job_resumes_from_its_checkpoint():
+    """torchrun --max-restarts on each host; host 1's worker dies in the middle of step 3. Its
+    agent counts a restart, host 0's a membership change (their attempt numbers differ), yet
+    the restarted workers meet, resume from the chief's checkpoint (no shared directory: each
+    host writes its own) and end with the parameters of the uninterrupted run."""
+    from test_multiworker_checkpoint import _reference
+
+    total, kill_at = 6, 3
+    out_dir = tempfile.mkdtemp(prefix="crossreplica-hosts-test-", dir="/var/tmp")
+    try:
+        env = _env()
+        with SimulatedHosts(2) as hosts:
+            endpoint, run_id = f"{hosts.addresses[0]}:{_port()}", secrets.token_hex(8)
+            procs = []
+            for h in range(2):
+                mine = os.path.join(out_dir, f"host{h}")
+                os.makedirs(mine)
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                       "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+                       "--max-restarts=1", "--monitor-interval=0.2",
+                       os.path.join(REPO, "tests", "elastic_train.py"), mine, str(total), str(kill_at)]
+                procs.append(hosts.start(h, cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True))
+            outs = _wait_all(procs, timeout=240)
+        assert all(p.returncode == 0 for p in procs), [out[-3000:] for out in outs]
+        with open(os.path.join(out_dir, "host0", "log0.txt")) as f:
+            lines = f.read().splitlines()
+        assert any(line.endswith(f"starts at step {kill_at}") for line in lines), lines  # resumed there
+        done = [int(line.rsplit(" ", 1)[1]) for line in lines if "finished step" in line]
+        assert done == list(range(total)), lines  # every step exactly once
+        final = torch.load(os.path.join(out_dir, "host0", "final.pt"))
+        want = _reference(total, 2)
+        for k in want:
+            torch.testing.assert_close(final[k], want[k], msg=k)
+    finally:
+        import shutil
+
+        shutil.rmtree(out_dir, ignore_errors=True)
 
 
 def test_the_demo_across_hosts_whose_name_resolves_to_loopback():

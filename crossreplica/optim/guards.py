@@ -41,8 +41,9 @@ __all__ = ["GradientEdits", "check_owner", "exempt"]
 
 #: Optimizers stepped by a CrossShardOptimizer (the wrapped one, ZeRO's shard optimizer).
 _EXEMPT: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-#: optimizer -> (id of the replica context, its collective count) at its last step
-_LAST: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]] = weakref.WeakKeyDictionary()
+#: optimizer -> (the replica context, its collective count) at its last step (a weak reference:
+#: an id could name the context of a later run, with the same count)
+_LAST: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[weakref.ref, int]] = weakref.WeakKeyDictionary()
 _WARNED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
@@ -59,8 +60,8 @@ def _on_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         return
     seen = rctx.collectives
     last = _LAST.get(optimizer)
-    _LAST[optimizer] = (id(rctx), seen)
-    if seen != (last[1] if last is not None and last[0] == id(rctx) else 0) or optimizer in _WARNED:
+    _LAST[optimizer] = (weakref.ref(rctx), seen)
+    if seen != (last[1] if last is not None and last[0]() is rctx else 0) or optimizer in _WARNED:
         return
     _WARNED.add(optimizer)
     name = type(optimizer).__name__
