@@ -216,6 +216,23 @@ def test_a_worker_killed_on_one_host_is_restarted_and_the_job_resumes_from_its_c
         shutil.rmtree(out_dir, ignore_errors=True)
 
 
+def test_launched_by_hand_every_listening_socket_is_bound_to_the_hosts_own_address():
+    """The store (rank 0's) binds to MASTER_ADDR, gloo to the host's address: nothing listens
+    on every interface (docs/multi_process.md, "Where it listens"); `ss -ltn` inside each host."""
+    with SimulatedHosts(2) as hosts:
+        procs, _ = _start_loop(hosts, 1, 30.0)
+        listening = []
+        for ns in hosts.namespaces:
+            out = subprocess.run(["ip", "netns", "exec", ns, "ss", "-ltnH"], capture_output=True, text=True,
+                                 timeout=30, check=True).stdout
+            listening.append([line.split()[3].rsplit(":", 1)[0] for line in out.splitlines() if line.strip()])
+        for p in procs:
+            p.kill()
+    assert len(listening[0]) >= 2 and listening[1], listening  # the store and gloo; gloo
+    for address, bound in zip(hosts.addresses, listening):
+        assert set(bound) == {address}, listening
+
+
 def test_the_demo_across_hosts_whose_name_resolves_to_loopback():
     """Debian's /etc/hosts maps the host's own name to 127.0.1.1: gloo would advertise that
     to the peer (which then fails, while rank 0 hung for minutes). The strategy gives gloo

@@ -221,7 +221,7 @@ def _cut_off_watchdog(timeout: float):
     return watchdog, store
 
 
-@pytest.mark.parametrize("wait", ["collective", "meeting"])
+@pytest.mark.parametrize("wait", ["collective", "meeting", "point-to-point"])
 def test_a_worker_cut_off_from_the_store_fails_within_the_timeout(wait):
     """Its store calls would block until TCP gives up (minutes): each is bounded, the wait runs
     to its deadline and the error says this worker is probably the one cut off."""
@@ -231,6 +231,8 @@ def test_a_worker_cut_off_from_the_store_fails_within_the_timeout(wait):
         with pytest.raises(cr.errors.CollectiveTimeoutError, match="stopped answering this worker") as info:
             if wait == "collective":
                 watchdog.wait(_WaitingWork(), range(2))
+            elif wait == "point-to-point":
+                watchdog.await_peers([0], range(2))
             else:
                 watchdog.meet("cr.save")
     finally:

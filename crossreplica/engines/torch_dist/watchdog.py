@@ -39,6 +39,7 @@ from .store_probe import StoreProbe
 __all__ = ["Watchdog", "WorkerFailedError", "is_peer_loss"]
 
 _SLICE = 0.25  # seconds between abort-key checks while a collective waits
+_BATCH = 0.02  # seconds a point-to-point wait polls the store on the probe's thread between such checks
 
 _log = logging.getLogger(__name__)
 
@@ -161,24 +162,37 @@ class Watchdog:
         for peer in peers:
             want[peer] = self._exchanges.get(peer, 0) + 1
             self._exchanges[peer] = want[peer]
-            self.store.add(f"{self._prefix}/p2p/{self.rank}->{peer}", 1)
-        pause, posted, warned = 0.0005, False, False
+        mine = [f"{self._prefix}/p2p/{self.rank}->{peer}" for peer in peers]
+        theirs = {peer: f"{self._prefix}/p2p/{peer}->{self.rank}" for peer in peers}
+        posts = [mine]  # emptied once posted: a batch the store did not answer is not posted again
+
+        def poll(store: Any) -> list[int]:
+            # On the probe's thread, so a cut link cannot block this worker: posts once, then
+            # polls for up to one batch (most exchanges end in the first poll, in one hop).
+            for key in posts.pop() if posts else ():
+                store.add(key, 1)
+            end, pause = time.monotonic() + _BATCH, 0.0005
+            while True:
+                waiting = [peer for peer, key in theirs.items() if store.add(key, 0) < want[peer]]
+                if not waiting or time.monotonic() >= end:
+                    return waiting
+                time.sleep(pause)
+                pause = min(pause * 2, 0.01)
+
+        posted = warned = False
         while True:
-            waiting = [peer for peer in peers
-                       if self.store.add(f"{self._prefix}/p2p/{peer}->{self.rank}", 0) < want[peer]]
+            waiting = self.probe(list(peers), poll)
             if not waiting:
                 if warned:
                     self.completed(deadline)
                 return deadline
-            if not posted and pause >= 0.01:
+            if not posted:
                 self.post_progress()
                 posted = True
             self._raise_if_aborted_or_late(deadline, ranks, lambda: waiting)  # noqa: B023 - called at once
             if not warned and self.timeout - (deadline - time.monotonic()) >= self.slow:
                 warned = True
                 self.warn_slow(deadline, ranks, waiting)
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
 
     def meet(self, what: str) -> None:
         """Waits (abort-aware, bounded by the timeout) until every worker has reached the
