@@ -121,10 +121,8 @@ class HierarchicalEngine(TorchDistEngine):
     def _lead_async(self, calls: list[Call], payloads: list[list[torch.Tensor]]) -> Any:
         self._check_local(calls)
         if self.broken is None:
-            try:
+            with self._failures():
                 pending = start_gathered_all_reduce(self, calls[0], payloads)
-            except RuntimeError as e:
-                raise self._failed(e) from e
             if pending is not None:
                 return _SharedPending(pending, [len(row) for row in payloads])
         return self.process(calls, payloads)

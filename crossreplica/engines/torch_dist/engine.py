@@ -137,10 +137,8 @@ class TorchDistEngine(Engine):
         as async work of the backend (the optimizer's buckets during backward); any
         other call runs now."""
         if self.replicas_per_worker == 1 and self._broken is None and not self.check_collectives:
-            try:
+            with self._failures():
                 pending = start_all_reduce(self, call, tensors)
-            except RuntimeError as e:
-                raise self._failed(e) from e
             if pending is not None:
                 return pending
         return Pending.done(self.execute(replica_id, call, tensors))
@@ -158,22 +156,32 @@ class TorchDistEngine(Engine):
 
     def settle(self, fn: Any) -> Any:
         """Runs ``fn()`` (a wait on backend work); a failure breaks the engine as in :meth:`process`."""
-        try:
+        with self._failures():
             return fn()
+
+    @contextlib.contextmanager
+    def _failures(self, announce: bool = False) -> Iterator[None]:
+        """The one place a failure of a cross-process call becomes this engine's state: ours
+        (mismatch, timeout, abort) and a backend error that means a lost peer (as
+        ``WorkerFailedError``) break the engine, since the process group is out of step;
+        any other error is the caller's (a bad call) and leaves it usable. ``announce``:
+        also release the other workers through the store (a wait of ours that failed,
+        where they may not be waiting on this worker)."""
+        try:
+            yield
         except (CollectiveMismatchError, CollectiveTimeoutError, ReplicaAborted) as e:
+            if announce and not isinstance(e, ReplicaAborted):
+                self.announce_failure(f"worker rank {self.rank}: {e}")
             self._broken = e
             _broke(e)
             raise
         except RuntimeError as e:
-            raise self._failed(e) from e
-
-    def _failed(self, e: RuntimeError) -> BaseException:
-        if not is_peer_loss(e):
-            return e
-        err = self.watchdog.lost(e)
-        self._broken = err
-        _broke(err)
-        return err
+            if not is_peer_loss(e):
+                raise
+            err = self.watchdog.lost(e)
+            self._broken = err
+            _broke(err)
+            raise err from e
 
     def finish(self, replica_id: int) -> None:
         if self.check_collectives and self._broken is None:
@@ -210,7 +218,7 @@ class TorchDistEngine(Engine):
         watchdog.current = call  # described only if something goes wrong
         if _log.isEnabledFor(logging.DEBUG):
             _log.debug("cross-process call #%d: %s", watchdog.count, call.describe())
-        try:
+        with self._failures():
             if self.check_collectives:
                 check_signatures(self, calls)
             kind = call.kind
@@ -230,30 +238,14 @@ class TorchDistEngine(Engine):
             if run is None:
                 raise ValueError(f"unknown collective kind {str(kind)!r}")
             return run(self, step)
-        except (CollectiveMismatchError, CollectiveTimeoutError, ReplicaAborted) as e:
-            self._broken = e
-            _broke(e)
-            raise
-        except RuntimeError as e:
-            if not is_peer_loss(e):
-                raise
-            err = watchdog.lost(e)  # the process group can no longer be trusted
-            self._broken = err
-            _broke(err)
-            raise err from e
 
     def meet(self, what: str) -> None:
         """Waits until every worker reaches the host-side collective ``what`` (``cr.save``);
         see :meth:`Watchdog.meet`. A failure breaks the engine and releases the others."""
         if self._broken is not None:
             raise self._broken_error(self._broken)
-        try:
+        with self._failures(announce=True):
             self.watchdog.meet(what)
-        except (CollectiveMismatchError, CollectiveTimeoutError) as e:
-            self.announce_failure(f"worker rank {self.rank}: {e}")
-            self._broken = e
-            _broke(e)
-            raise
 
     def barrier(self, what: str = "barrier") -> None:
         """Waits (bounded) until every worker reaches the same barrier."""
@@ -262,18 +254,9 @@ class TorchDistEngine(Engine):
         watchdog = self.watchdog
         watchdog.count += 1
         watchdog.current = what
-        try:
+        with self._failures():
             watchdog.wait(dist.all_reduce(torch.zeros(1, device=self.comm_device), async_op=True),
                           range(self.world_size))
-        except (CollectiveTimeoutError, ReplicaAborted) as e:
-            _broke(e)
-            raise
-        except RuntimeError as e:
-            if not is_peer_loss(e):
-                raise
-            err = watchdog.lost(e)
-            _broke(err)
-            raise err from e
 
     def hand_out(self, outs: list[list[Any]], leaf: int, local: list[int], value: torch.Tensor,
                  fresh: bool = True) -> None:
