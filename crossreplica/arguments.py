@@ -1,6 +1,6 @@
 """Checks for numeric arguments, shared by every public entry point.
 
-Layer: bottom (imports only errors). Each check validates once, at
+Each check validates once, at
 the boundary, and raises a ValueError that names the argument, shows the value
 and says what was expected, as the rest of the library's messages do.
 """

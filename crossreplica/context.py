@@ -1,7 +1,6 @@
 """Strategy and replica contexts: a thread-local stack, as in tf.distribute.
 
-Layer: contexts, just above values/groups and below collectives. This module
-imports nothing of crossreplica but errors, reduce_op and values (it tells a
+This module imports nothing of crossreplica but errors, reduce_op and values (it tells a
 distributed value which replica runs: ``values.register_local_index``). What it
 needs from a strategy is the typed :class:`StrategyLike` / :class:`ReplicaHost`
 interface below, and the default strategy comes from a factory the strategies

@@ -8,7 +8,6 @@ pass it). Like TF's, the ops work in cross-replica context only. Results are
 always :class:`~crossreplica.values.Mirrored`, one copy per destination device,
 each a distinct tensor.
 
-Layer: cross-device ops, above collectives and contexts, below strategies.
 What the ops need from a strategy is a :class:`Reducer` (the strategy's
 ``extended``), passed explicitly by ``strategy.extended.reduce_to`` and
 friends; called directly, as tf.distribute users do inside

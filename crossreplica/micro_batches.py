@@ -1,6 +1,6 @@
 """Layout-invariant training: a step's result depends on the global batch only.
 
-Layer: plain values and rules (0). ``cr.LayoutInvariant(micro_batches=M)``
+``cr.LayoutInvariant(micro_batches=M)``
 passed as ``layout_invariant=`` to a strategy turns the mode on
 (docs/layout_invariance.md):
 

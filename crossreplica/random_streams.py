@@ -1,6 +1,6 @@
 """Per-replica random streams: every replica draws from generators of its own.
 
-Layer: plain values and rules (0). torch's default generators are process wide,
+torch's default generators are process wide,
 so replicas that are threads of one process would race for them (replica 0 and
 replica 1 swap dropout masks from run to run). Instead every ``run`` gives each
 replica its own stream, a documented function of the caller's seed and of the

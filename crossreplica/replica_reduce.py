@@ -15,8 +15,6 @@ which path).
 
 Differentiable for SUM and MEAN, as TF's ``ReplicaContext.all_reduce`` is: the
 backward all-reduces the cotangents the same way, through the same ops.
-
-Layer: cross-device ops (layer 4); see docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The one seam between crossreplica and torch's private APIs.
 
-Layer: plain values and rules (0). Every private torch symbol the package uses
+Every private torch symbol the package uses
 is reached through this module, and nowhere else (``tests/test_torch_private.py``
 scans the package for any other use). Each one is declared once, below, with
 what it is, the oldest torch where it exists in the form used (verified on the

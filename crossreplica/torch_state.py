@@ -1,6 +1,6 @@
 """The caller's thread-local torch state, carried into replica threads.
 
-Layer: plain values and rules (0). torch keeps several switches per thread: a
+torch keeps several switches per thread: a
 thread started by a strategy sees torch's defaults, not the state of the thread
 that called ``strategy.run``. :func:`capture` records, in the caller's thread,
 every thread-local switch that changes what a replica computes; :func:`applied`

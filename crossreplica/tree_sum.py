@@ -1,6 +1,6 @@
 """A summation whose bits depend only on the list of summands, never on who adds them.
 
-Layer: plain values and rules (0). The layout-invariant mode
+The layout-invariant mode
 (:mod:`crossreplica.micro_batches`) sums per-micro-batch gradients this way, so
 one device, 2, 3, 4 or 8 replicas, threads or processes give the same bits.
 

@@ -1,6 +1,6 @@
 """Public names for the shapes that recur in crossreplica's signatures.
 
-Layer: bottom (imports nothing of crossreplica). Use them to annotate code that
+Use them to annotate code that
 passes values through the library: ``def step(batch: cr.types.Nest) -> cr.types.Nest``.
 """
 

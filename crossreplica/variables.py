@@ -28,9 +28,6 @@ and operators take it, ``value()`` is the copy itself (gradients reach it),
 ``read_value()`` a snapshot, ``numpy()`` a NumPy array. ``state_dict`` /
 ``load_state_dict`` carry the value read in cross-replica context, which
 ``cr.save`` / ``cr.load`` round-trip.
-
-Layer: strategies (layer 5): it needs a strategy's machinery
-(``strategy.extended``) and the context stack; see docs/architecture.md.
 """
 
 from __future__ import annotations

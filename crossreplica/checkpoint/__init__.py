@@ -1,7 +1,5 @@
 """Checkpoints of a whole training state: ``cr.save(path, state)``, ``cr.load(path, into=state)``.
 
-Layer: strategies (layer 5); see docs/architecture.md and docs/checkpoints.md.
-
 ``state`` is a nest (dicts, lists, tuples, dataclasses) of tensors, modules,
 optimizers, LR schedulers, ``torch.amp.GradScaler``, ``cr.Variable``, random
 streams (``torch.default_generator``, numpy's ``RandomState``, the ``random``

@@ -1,7 +1,5 @@
 """Per-replica state in a checkpoint: compared across replicas, kept once or once per replica.
 
-Layer: strategies (layer 5), the checkpoint package; see docs/architecture.md.
-
 A ``PerReplica`` in the state (optimizers returned per replica by
 ``strategy.run``, per-replica random streams, per-replica counters) is walked on
 every replica, and the replicas' states are compared by a sha256 of their bytes

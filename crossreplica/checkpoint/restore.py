@@ -1,7 +1,5 @@
 """Restoring a loaded checkpoint into live objects: ``cr.load(path, into=state)``.
 
-Layer: strategies (layer 5), the checkpoint package; see docs/architecture.md.
-
 ``into`` is a nest of the same shape as the state that was saved (usually the
 very dict given to ``cr.save``). Each leaf is restored in place from the entry
 at the same place in the checkpoint, by the kind :func:`.state.kind` gives it:

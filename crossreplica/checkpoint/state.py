@@ -1,7 +1,5 @@
 """The state walker: a nest of live training objects -> a plain nest of tensors and builtins.
 
-Layer: strategies (layer 5), the checkpoint package; see docs/architecture.md.
-
 What each leaf of the nest given to ``cr.save`` becomes (the first rule that
 matches; :func:`kind` is the one place that decides, and restoring uses it too):
 

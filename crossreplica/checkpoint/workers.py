@@ -1,7 +1,5 @@
 """Who writes a checkpoint, and how the workers agree on the outcome.
 
-Layer: strategies (layer 5), the checkpoint package; see docs/architecture.md.
-
 Across processes only the chief (rank 0, which holds replica 0) writes. Every
 worker first meets the others in the store (``Workers.meet``): a save or load
 called on some workers only (DDP's ``if master_process:``) fails there at once,

@@ -1,4 +1,4 @@
-"""Collectives layer: the arguments of a collective, validated and canonicalised once.
+"""The arguments of a collective, validated and canonicalised once.
 
 Nests in, nests out: a nest is flattened once (``None`` leaves pass through),
 its tensor leaves travel in one engine call, and the outputs are put back in

@@ -1,6 +1,6 @@
 """The fixed-tree sum of every replica's partial sums (:mod:`crossreplica.tree_sum`).
 
-Layer: collectives (layer 3). Replica ``r`` of ``R`` holds the contiguous summands
+Replica ``r`` of ``R`` holds the contiguous summands
 ``[r * k, (r + 1) * k)`` (``k = total / R``), already reduced to their canonical
 nodes. One ``all_gather`` brings every replica's nodes to every replica, which
 then adds them by the global tree: the same additions in the same order as one

@@ -1,4 +1,4 @@
-"""Engine layer: in-place all-reduces that in-process replicas start and finish apart.
+"""In-place all-reduces that in-process replicas start and finish apart.
 
 The optimizer starts a gradient bucket's all-reduce as soon as backward has
 produced it (``Engine.execute_async``). Met as an ordinary rendezvous round,

@@ -1,4 +1,4 @@
-"""Engine layer: where in-process replicas meet; one barrier with a leader and a sticky error.
+"""Where in-process replicas meet; one barrier with a leader and a sticky error.
 
 Every collective, merge_call and phase barrier of the local replicas is one
 round of :meth:`Rendezvous.exchange`. Each participant deposits its call and

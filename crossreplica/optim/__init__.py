@@ -1,7 +1,7 @@
 """The optimizer layer: :class:`CrossShardOptimizer` (``optimizer.py``), the
 overlapped bucketed gradient reduction it can use (``overlap.py``), the
 sharded (ZeRO stage 1) update (``sharded.py``) and its part in
-``torch.amp.GradScaler``'s recipe (``amp.py``). Layer: strategies.
+``torch.amp.GradScaler``'s recipe (``amp.py``).
 
 Design. The wrapper is a real :class:`torch.optim.Optimizer` that owns no
 state of its own: ``param_groups``, ``state``, ``defaults``, ``state_dict``

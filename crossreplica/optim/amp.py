@@ -1,7 +1,5 @@
 """Mixed precision: ``torch.amp.GradScaler`` driving a CrossShardOptimizer.
 
-Layer: strategies (layer 5); see docs/architecture.md.
-
 The problem. GradScaler decides from the gradients it reads whether to skip
 ``optimizer.step()`` and how to move its scale (its ``found_inf`` flags, which
 ``scaler.update()`` consumes). Reading a replica's own, unreduced gradients, one

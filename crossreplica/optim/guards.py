@@ -1,7 +1,5 @@
 """Guards against optimizer habits that train the replicas apart without an error.
 
-Layer: strategies (layer 5); see docs/architecture.md.
-
 Each guard turns a habit brought from single-process or DDP code into a
 ``ReplicasDivergeWarning`` (or an error) that names the cause and the fix:
 

@@ -1,7 +1,5 @@
 """CrossShardOptimizer: keeps replicas in sync by reducing gradients before each step
 (the design is described in the package docstring, :mod:`crossreplica.optim`).
-
-Layer: strategies (layer 5); see docs/architecture.md.
 """
 
 from __future__ import annotations

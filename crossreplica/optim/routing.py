@@ -9,8 +9,6 @@ subclass) or a timeout, the overlap hooks leave the gradients alone and
 ``step()`` hands the same packs to ``cross_device_ops.replica_all_reduce`` (one
 merge_call), copying the results back in place. A ``group_assignment`` other
 than every replica is the TPU-style ``cross_replica_sum``: always the engine.
-
-Layer: strategies (layer 5); see docs/architecture.md.
 """
 
 from __future__ import annotations

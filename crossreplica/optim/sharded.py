@@ -29,8 +29,6 @@ on the MLP of benchmarks/training_step.py where the replicated update moves 59
 and the flat path 81, and halves the working set the replicas' simultaneous
 updates share. ``state_dict`` gathers the members' slices through a meeting of
 the replica threads, in the same unsharded format.
-
-Layer: strategies (layer 5); see docs/architecture.md.
 """
 
 from __future__ import annotations

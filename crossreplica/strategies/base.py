@@ -1,6 +1,6 @@
 """Strategy: what every strategy offers (scope, run, reduce, gather, local results, mirror, input).
 
-Layer: strategies. A strategy owns a list of local devices (one replica each)
+A strategy owns a list of local devices (one replica each)
 and its :class:`~crossreplica.strategies.extended.StrategyExtended`, which
 holds the engine. ``run`` calls the replica function once per local replica
 with each replica's part of the arguments (``select_replica``) and regroups

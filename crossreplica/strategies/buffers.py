@@ -1,7 +1,5 @@
 """Mirrored buffers: the copies of a mirrored module's buffers agree after every run.
 
-Layer: strategies (layer 5); see docs/architecture.md.
-
 Parameters of mirrored copies stay identical because every replica applies the
 same reduced gradient to the same values. Buffers have no gradient: a
 ``torch.nn.BatchNorm`` updates its running statistics from its own replica's

@@ -25,8 +25,6 @@ so the split and replicate calls return the pieces themselves, each on its
 device. Every move is a ``Tensor.to`` / ``chunk``, so gradients flow
 back to ``t``. On the CPU every logical device is the CPU and only the
 bookkeeping differs.
-
-Layer: strategies (layer 5); see docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """Multi-step loops: several training steps per dispatch (TPU ``steps_per_run``).
 
-Layer: strategies (layer 5); see docs/architecture.md.
-
 ``strategy.extended.experimental_run_steps_on_iterator(fn, iterator, iterations)``
 follows TF: ``fn(ctx, inputs)`` runs ``iterations`` times in cross-replica
 context, once per element of ``iterator``, and records what the caller wants

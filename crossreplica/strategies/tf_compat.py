@@ -20,8 +20,6 @@ code runs on one device, on threads and across workers:
   distinct copy per destination value, never shared between replicas.
 * ``check_gather_shapes``: ``strategy.gather`` names the shapes that do not fit,
   across workers too.
-
-Layer: strategies (layer 5); see docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -35,8 +35,6 @@ Workers are started by torch's elastic launcher with torchrun's environment
 nothing in crossreplica imports it, and ``import crossreplica`` does not load it
 (it registers an exit hook and loads torch's launcher, which programs that never
 test should not pay for).
-
-Layer: the face (layer 6): nothing in the library imports it; see docs/architecture.md.
 """
 
 from crossreplica.testing.pool import (

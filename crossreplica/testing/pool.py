@@ -34,8 +34,6 @@ Invariants:
 * :meth:`WorkerPool.close` kills each worker's process group and reaps it;
   ``shutdown_pools`` (also run at interpreter exit) closes every persistent pool,
   so no worker outlives the program. The forkserver exits with the program.
-
-Layer: the face (layer 6); see docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -16,8 +16,6 @@ a list in replica-id order. If a replica raised, its exception is raised here
   :func:`shutdown` closes them all; it also runs at interpreter exit.
 
 :func:`launch` and :func:`run_workers` run one job on fresh workers instead.
-
-Layer: the face (layer 6); see docs/architecture.md.
 """
 
 from __future__ import annotations

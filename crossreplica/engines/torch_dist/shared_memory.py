@@ -1,4 +1,4 @@
-"""Engine layer (torch_dist): the same-host all-reduce, through shared memory.
+"""The same-host all-reduce, through shared memory.
 
 Why our own transport: gloo carries an all-reduce between processes of one host
 over loopback TCP, so every byte is copied into the kernel and out again and

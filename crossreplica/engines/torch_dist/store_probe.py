@@ -1,4 +1,4 @@
-"""Engine layer (torch_dist): store calls that cannot outlast a cut network link.
+"""Store calls that cannot outlast a cut network link.
 
 A wait's store calls (the abort key, the progress keys, a host-side meeting)
 go to the store host over TCP. When the link to it is cut (no reset, packets
