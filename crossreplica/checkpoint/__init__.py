@@ -18,17 +18,8 @@ record, written atomically; it loads with torch's safe unpickler, and
 outcome; ``cr.load`` reads on the chief and sends the bytes, so the hosts need
 no shared file system.
 
-Why one file written by the chief, not ``torch.distributed.checkpoint`` (DCP):
-DCP pays off when each rank holds a different shard of the state (FSDP,
-DTensor) and a save must not gather it on one host. Here every replica holds
-the whole model (data parallelism; ZeRO-1's ``state_dict`` already gathers the
-optimizer's shards), so the chief has everything to write, and one file keeps
-what DCP's directory of per-rank files does not give: an atomic replace of the
-previous checkpoint, a checksum checked before anything is unpickled, loading
-without a shared file system (DCP's readers each open the storage), and a file
-``torch.load`` reads anywhere. Resuming on another replica count needs no
-resharding for replicated state; per-replica state that differs is small
-(random streams, counters) and travels to the chief as bytes.
+Why one file written by the chief, not ``torch.distributed.checkpoint``:
+docs/checkpoints.md, "Why not torch.distributed.checkpoint".
 """
 
 from __future__ import annotations

@@ -24,10 +24,9 @@ process, parameters on the CPU) the gradients arrive already all-reduced, and
 the flat buffers would only add copies: each member's shard optimizer steps
 views of its own parameters' slices in ``[j*c, (j+1)*c)`` (with views of the
 reduced gradients), then, between two barriers, each member copies the other
-members' updated slices from their parameters. That moves about 37 MB per step
-on the MLP of benchmarks/training_step.py where the replicated update moves 59
-and the flat path 81, and halves the working set the replicas' simultaneous
-updates share. ``state_dict`` gathers the members' slices through a meeting of
+members' updated slices from their parameters (less memory traffic than the
+replicated update or the flat path: BENCHMARKS.md, "Training step: 2 in-process
+replicas vs one process"). ``state_dict`` gathers the members' slices through a meeting of
 the replica threads, in the same unsharded format.
 """
 

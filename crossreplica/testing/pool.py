@@ -4,25 +4,17 @@ A :class:`WorkerPool` starts ``num_workers`` processes through torch's elastic
 launcher (``torch.distributed.elastic.multiprocessing.start_processes``), each
 with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 GROUP_RANK, ROLE_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT an OS-chosen free
-port, and this process's ``CROSSREPLICA_*`` settings, as torchrun passes its
-environment on) and its stdout/stderr in the launcher's log files; with
-``log_level`` each worker logs crossreplica's records to its stderr
-(:meth:`WorkerPool.logs` shows them). Each worker builds
+port, and this process's ``CROSSREPLICA_*`` settings) and its stdout/stderr in
+the launcher's log files; with ``log_level`` each worker logs crossreplica's
+records to its stderr (:meth:`WorkerPool.logs` shows them). Each worker builds
 ``cr.MultiWorkerMirroredStrategy(replicas_per_worker)`` once and then runs jobs
 sent down its pipe (:mod:`crossreplica.testing.worker`).
 
-Why a pool and not one launch per call: importing torch and setting up a process
-group costs seconds, a test suite makes hundreds of calls. torch's launcher
-starts processes and supervises them until they exit, but has no way to hand a
-running worker another function. So the pool keeps the launcher for what it
-does (start, environment, logs, exit codes, kill) and adds a pipe per worker for
-the jobs. Each worker is launched by its own ``start_processes`` call: the
-launcher gives every process the argument tuples of all ranks, and a worker
-holding another's pipe would keep that pipe open after its owner died. Workers
-are forked from the ``forkserver`` with torch and crossreplica preloaded, so a
-(re)start costs a fork and a process-group set-up, not an import of torch. The
-forkserver and its preload list are process-wide: the pool sets the list before
-the forkserver's first use and never stops it (it exits with this process).
+A pool, not one launch per call, because importing torch and setting up a
+process group costs seconds and a suite makes hundreds of calls; the launcher
+keeps what it does (start, environment, logs, exit codes, kill) and a pipe per
+worker carries the jobs (why one ``start_processes`` call per worker, and the
+forkserver: docs/architecture.md, "testing/pool.py").
 
 Invariants:
 
