@@ -33,7 +33,7 @@ from .values import PerReplica
 __all__ = ["all_reduce_in_replica", "merged_all_reduce"]
 
 
-class _Leaves:
+class _ReplicaTensors:
     """One replica's tensors: an object per replica, so merge_call's regroup always
     wraps them (tensors that happen to be the same object would stay unwrapped)."""
 
@@ -43,7 +43,7 @@ class _Leaves:
         self.tensors = tensors
 
 
-def _check_agree(parts: list[_Leaves], names: tuple[int, ...]) -> None:
+def _check_agree(parts: list[_ReplicaTensors], names: tuple[int, ...]) -> None:
     sig = [[(tuple(t.shape), t.dtype) for t in p.tensors] for p in parts]
     if any(s != sig[0] for s in sig[1:]):
         lines = "\n".join(f"  replica {r}: {[(list(s), str(d)) for s, d in one]}" for r, one in zip(names, sig))
@@ -67,7 +67,7 @@ def merged_all_reduce(cdo: Any, rctx: ReplicaContext, op: ReduceOp, tensors: lis
             reduced = cdo.batch_reduce(op, [(v, v) for v in values], options, reducer=ext)
         return PerReplica([[m.values[i] for m in reduced] for i in range(len(parts))])
 
-    return list(ext.merge_call(rctx, merge_fn, (_Leaves(list(tensors)),), {}, timeout=timeout))
+    return list(ext.merge_call(rctx, merge_fn, (_ReplicaTensors(list(tensors)),), {}, timeout=timeout))
 
 
 class _MergedAllReduce(torch.autograd.Function):

@@ -38,7 +38,7 @@ from .per_replica import resolve as _resolve_records
 from .per_replica import settle as _settle
 from .restore import restore as _restore
 from .safe_values import encode as _encode
-from .state import Pending as _Pending
+from .state import Unsettled as _Unsettled
 from .state import capture as _capture
 from .workers import FAILED as _FAILED
 from .workers import MISSING as _MISSING
@@ -60,12 +60,12 @@ def _resolve(strategy: Any, api: str) -> Any:
 def _plain(state: Any, strategy: Any) -> Any:
     """``state`` as the plain nest the file holds (a collective when it holds per-replica
     values or ON_READ variables: every worker calls it)."""
-    pending: list[_Pending] = []
-    plain = _capture(state, strategy, pending)
-    if not pending:
+    unsettled: list[_Unsettled] = []
+    plain = _capture(state, strategy, unsettled)
+    if not unsettled:
         return plain
-    settled = dict(zip(map(id, pending), _settle(pending, strategy)))
-    return nest.map_structure(lambda v: settled[id(v)] if isinstance(v, _Pending) else v, plain)
+    settled = dict(zip(map(id, unsettled), _settle(unsettled, strategy)))
+    return nest.map_structure(lambda v: settled[id(v)] if isinstance(v, _Unsettled) else v, plain)
 
 
 def save(path: str | os.PathLike, state: Any, *, strategy: Any = None) -> None:

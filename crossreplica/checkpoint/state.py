@@ -38,7 +38,7 @@ from ..errors import ReplicaContextError, ReplicasDivergeWarning
 from ..values import Mirrored, PerReplica
 
 __all__ = ["MIRRORED", "PER_REPLICA", "TENSOR", "STATEFUL", "GENERATOR", "GET_STATE", "GETSTATE",
-           "Pending", "capture", "kind", "local_ids_for", "warn_copies_differ", "where"]
+           "Unsettled", "capture", "kind", "local_ids_for", "warn_copies_differ", "where"]
 
 MIRRORED, PER_REPLICA, TENSOR, STATEFUL = "mirrored", "per_replica", "tensor", "stateful"
 GENERATOR, GET_STATE, GETSTATE = "generator", "get_state", "getstate"
@@ -79,7 +79,7 @@ def where(root: str, path: tuple) -> str:
     return root + ("" if not path else nest.path_str(path))
 
 
-class Pending:
+class Unsettled:
     """A PerReplica's local values, walked, before they are compared across replicas; or a
     Mirrored's compared part (``local``), only to warn when the workers' copies differ, and
     the copy to save (``mirrored``)."""
@@ -92,12 +92,12 @@ class Pending:
         self.mirrored = mirrored
 
 
-def capture(state: Any, strategy: Any, pending: list[Pending], path: tuple = ()) -> Any:
-    """``state`` as a plain nest; each PerReplica becomes a :class:`Pending` appended to
-    ``pending`` (settled by :func:`.per_replica.settle`)."""
+def capture(state: Any, strategy: Any, unsettled: list[Unsettled], path: tuple = ()) -> Any:
+    """``state`` as a plain nest; each PerReplica becomes an :class:`Unsettled` appended to
+    ``unsettled`` (settled by :func:`.per_replica.settle`)."""
     k = kind(state)
     if k == MIRRORED:
-        first = capture(state.values[0], strategy, pending, path)
+        first = capture(state.values[0], strategy, unsettled, path)
         trained = _trained(state.values[0], first)
         for i, other in enumerate(state.values[1:], 1):
             if not _same(trained, _trained(other, capture(other, strategy, [], path))):
@@ -107,21 +107,21 @@ def capture(state: Any, strategy: Any, pending: list[Pending], path: tuple = ())
         if local == ext.num_replicas_in_sync:
             return first
         # Other workers hold copies too: compared by digest with the PerReplica values.
-        entry = Pending(where("state", path), [trained] * local, mirrored=first)
-        pending.append(entry)
+        entry = Unsettled(where("state", path), [trained] * local, mirrored=first)
+        unsettled.append(entry)
         return entry
     if k == PER_REPLICA:
-        return _per_replica(state, strategy, pending, path)
+        return _per_replica(state, strategy, unsettled, path)
     if k == TENSOR:
         return state.detach().to("cpu", copy=True)
     if k == STATEFUL:
-        return capture(state.state_dict(), strategy, pending, path)
+        return capture(state.state_dict(), strategy, unsettled, path)
     if k is not None:  # a random stream
         value = getattr(state, RNG_METHODS[k][0])()
-        return capture(value, strategy, pending, path)
+        return capture(value, strategy, unsettled, path)
     if nest.is_container(state):
         keys, items = nest.children(state)
-        return nest.rebuild(state, keys, [capture(v, strategy, pending, path + (key,))
+        return nest.rebuild(state, keys, [capture(v, strategy, unsettled, path + (key,))
                                           for key, v in zip(keys, items)])
     return state
 
@@ -138,10 +138,10 @@ def local_ids_for(value: Any, strategy: Any, api: str, name: str, hint: str) -> 
     return local_ids
 
 
-def _per_replica(value: PerReplica, strategy: Any, pending: list[Pending], path: tuple) -> Pending:
+def _per_replica(value: PerReplica, strategy: Any, unsettled: list[Unsettled], path: tuple) -> Unsettled:
     name = where("state", path)
     local_ids_for(value, strategy, "cr.save", name, "the strategy whose run returned it")
-    nested: list[Pending] = []  # a PerReplica inside a PerReplica is one value per replica already
+    nested: list[Unsettled] = []  # a PerReplica inside a PerReplica is one value per replica already
     try:
         local = [capture(v, strategy, nested, path) for v in value.values]
     except ReplicaContextError:
@@ -154,8 +154,8 @@ def _per_replica(value: PerReplica, strategy: Any, pending: list[Pending], path:
     if nested:
         raise TypeError(f"cr.save: {name} is a PerReplica that holds PerReplica values; give one "
                         f"value per replica")
-    entry = Pending(name, local)
-    pending.append(entry)
+    entry = Unsettled(name, local)
+    unsettled.append(entry)
     return entry
 
 

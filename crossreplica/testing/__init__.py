@@ -37,8 +37,10 @@ nothing in crossreplica imports it, and ``import crossreplica`` does not load it
 test should not pay for).
 """
 
+import warnings
+
 from crossreplica.testing.pool import (
-    DEFAULT_TIMEOUT,
+    DEFAULT_TEST_TIMEOUT,
     Outcome,
     WorkerPool,
     free_port,
@@ -58,7 +60,7 @@ from crossreplica.testing.runner import (
 )
 
 __all__ = [
-    "DEFAULT_TIMEOUT",
+    "DEFAULT_TEST_TIMEOUT",
     "ENGINES",
     "Outcome",
     "RemoteReplicaError",
@@ -72,3 +74,13 @@ __all__ = [
     "run_workers",
     "shutdown",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``DEFAULT_TIMEOUT``, the old name of :data:`DEFAULT_TEST_TIMEOUT`, with a DeprecationWarning
+    (renamed: the library's default collective timeout is another value, 300 s)."""
+    if name == "DEFAULT_TIMEOUT":
+        warnings.warn("crossreplica.testing.DEFAULT_TIMEOUT is deprecated: use DEFAULT_TEST_TIMEOUT",
+                      DeprecationWarning, stacklevel=2)
+        return DEFAULT_TEST_TIMEOUT
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -61,7 +61,9 @@ from crossreplica.testing.worker import check_device_type, function_spec, serve
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-DEFAULT_TIMEOUT = 30.0
+#: The collective timeout of a test job, in seconds (short, so a broken test fails fast; the
+#: library's own default is ``CROSSREPLICA_TIMEOUT``, 300 s).
+DEFAULT_TEST_TIMEOUT = 30.0
 START_LIMIT = 60.0  # seconds for a pool to start: fork, process-group set-up, strategy
 _PRELOAD = ["torch", "crossreplica", "crossreplica.testing.worker"]
 _LAUNCHER_LOG = logging.getLogger(PContext.__module__)
@@ -169,7 +171,7 @@ class WorkerPool:
     """
 
     def __init__(self, num_workers: int, replicas_per_worker: int = 1, *,
-                 timeout_seconds: float = DEFAULT_TIMEOUT, check_collectives: bool = False,
+                 timeout_seconds: float = DEFAULT_TEST_TIMEOUT, check_collectives: bool = False,
                  log_level: int | str | None = None, device: str = "cpu"):
         for name, value in (("num_workers", num_workers), ("replicas_per_worker", replicas_per_worker)):
             if not isinstance(value, int) or value < 1:
