@@ -19,7 +19,7 @@ backward all-reduces the cotangents the same way, through the same ops.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,9 @@ from .context import ReplicaContext
 from .errors import CollectiveMismatchError
 from .reduce_op import ReduceOp, check_dtype
 from .values import PerReplica
+
+if TYPE_CHECKING:
+    from .cross_device_ops import CommunicationOptions, CrossDeviceOps
 
 __all__ = ["all_reduce_in_replica", "merged_all_reduce"]
 
@@ -52,8 +55,8 @@ def _check_agree(parts: list[_ReplicaTensors], names: tuple[int, ...]) -> None:
             f"tensors of different shapes or dtypes:\n{lines}")
 
 
-def merged_all_reduce(cdo: Any, rctx: ReplicaContext, op: ReduceOp, tensors: list[torch.Tensor],
-                      options: Any) -> list[torch.Tensor]:
+def merged_all_reduce(cdo: CrossDeviceOps, rctx: ReplicaContext, op: ReduceOp, tensors: list[torch.Tensor],
+                      options: CommunicationOptions | None) -> list[torch.Tensor]:
     """Every replica's ``tensors`` reduced by ``cdo.batch_reduce`` in one merge_call;
     returns this replica's copies of the results (fresh tensors on its device)."""
     ext = rctx.strategy.extended
@@ -91,14 +94,14 @@ class _MergedAllReduce(torch.autograd.Function):
         return (None, None, None, None, *_reduce(ctx.cdo, ctx.rctx, ctx.op, list(grads), ctx.options))
 
 
-def _reduce(cdo: Any, rctx: ReplicaContext, op: ReduceOp, tensors: list[torch.Tensor],
-            options: Any) -> list[torch.Tensor]:
+def _reduce(cdo: CrossDeviceOps, rctx: ReplicaContext, op: ReduceOp, tensors: list[torch.Tensor],
+            options: CommunicationOptions | None) -> list[torch.Tensor]:
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return list(_MergedAllReduce.apply(cdo, rctx, op, options, *tensors))
     return merged_all_reduce(cdo, rctx, op, tensors, options)
 
 
-def all_reduce_in_replica(cdo: Any, op: ReduceOp, value: Any, options: Any) -> Any:
+def all_reduce_in_replica(cdo: CrossDeviceOps, op: ReduceOp, value: Any, options: CommunicationOptions | None) -> Any:
     """``value`` (a tensor, a number or a nest of them) reduced over every replica in
     sync through ``cdo``; called in a replica context by every replica."""
     rctx = context.require_replica_context("CrossDeviceOps.replica_all_reduce")

@@ -25,7 +25,7 @@ docs/checkpoints.md, "Why not torch.distributed.checkpoint".
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,10 +46,13 @@ from .workers import OK as _OK
 from .workers import cross_process as _cross_process
 from .workers import share_from_chief as _share_from_chief
 
+if TYPE_CHECKING:
+    from ..strategies.base import Strategy
+
 __all__ = ["save", "load"]
 
 
-def _resolve(strategy: Any, api: str) -> Any:
+def _resolve(strategy: Strategy | None, api: str) -> Strategy:
     if context.current_replica_context() is not None:
         raise ReplicaContextError(
             f"cr.{api} must be called in cross-replica context (outside strategy.run), once per "
@@ -57,7 +60,7 @@ def _resolve(strategy: Any, api: str) -> Any:
     return strategy if strategy is not None else context.get_strategy()
 
 
-def _plain(state: Any, strategy: Any) -> Any:
+def _plain(state: Any, strategy: Strategy) -> Any:
     """``state`` as the plain nest the file holds (a collective when it holds per-replica
     values or ON_READ variables: every worker calls it)."""
     unsettled: list[_Unsettled] = []
@@ -68,7 +71,7 @@ def _plain(state: Any, strategy: Any) -> Any:
     return nest.map_structure(lambda v: settled[id(v)] if isinstance(v, _Unsettled) else v, plain)
 
 
-def save(path: str | os.PathLike, state: Any, *, strategy: Any = None) -> None:
+def save(path: str | os.PathLike, state: Any, *, strategy: Strategy | None = None) -> None:
     """Saves ``state`` to ``path``: written once by the chief, atomically; every worker returns
     only after the file is in place.
 
@@ -102,7 +105,7 @@ def save(path: str | os.PathLike, state: Any, *, strategy: Any = None) -> None:
         raise RuntimeError(f"cr.save: the chief (rank 0) failed to write {path!r}; see its log")
 
 
-def load(path: str | os.PathLike, *, into: Any = None, map_location: Any = "cpu", strategy: Any = None,
+def load(path: str | os.PathLike, *, into: Any = None, map_location: Any = "cpu", strategy: Strategy | None = None,
          weights_only: bool = True) -> Any:
     """Loads a checkpoint written by :func:`save`; every worker gets the chief's copy.
 
@@ -135,7 +138,7 @@ def load(path: str | os.PathLike, *, into: Any = None, map_location: Any = "cpu"
     return _resolve_records(value, strategy)
 
 
-def _read_everywhere(path: str, map_location: Any, weights_only: bool, strategy: Any) -> Any:
+def _read_everywhere(path: str, map_location: Any, weights_only: bool, strategy: Strategy) -> Any:
     """The checkpoint's nest, read on the chief and sent to every worker."""
     workers = _cross_process(strategy)
     if workers is None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import io
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +26,10 @@ from ..errors import CheckpointError
 from ..values import PerReplica
 from .safe_values import TAG, decode, encode
 from .state import Unsettled, warn_copies_differ
+
+if TYPE_CHECKING:
+    from ..strategies.base import Strategy
+    from ..strategies.extended import StrategyExtended
 
 __all__ = ["digest", "is_record", "pick", "record", "resolve", "settle"]
 
@@ -68,7 +72,7 @@ def digest(value: Any) -> bytes:
     return h.digest()
 
 
-def settle(unsettled: list[Unsettled], strategy: Any) -> list[Any]:
+def settle(unsettled: list[Unsettled], strategy: Strategy) -> list[Any]:
     """The value to save for each unsettled PerReplica: one state if every replica's is the
     same, else a :func:`record` of every replica's (a collective: every worker calls it)."""
     if not unsettled:
@@ -101,7 +105,7 @@ def settle(unsettled: list[Unsettled], strategy: Any) -> list[Any]:
             else p.local[0] for j, p in enumerate(unsettled)]
 
 
-def _exchange(ext: Any, payloads: list[dict[int, Any]], n: int) -> dict[int, dict[int, Any]]:
+def _exchange(ext: StrategyExtended, payloads: list[dict[int, Any]], n: int) -> dict[int, dict[int, Any]]:
     """Every replica's payload on every worker, as bytes read back by the safe loader."""
     blobs = []
     for payload in payloads:
@@ -133,7 +137,7 @@ def pick(value: Any, replica: int, num_replicas: int, name: str) -> Any:
     return value["replicas"][replica]
 
 
-def resolve(value: Any, strategy: Any, path: tuple = ()) -> Any:
+def resolve(value: Any, strategy: Strategy, path: tuple = ()) -> Any:
     """The loaded nest with each record replaced by this strategy's replicas' parts: a
     PerReplica of the local replicas' values (the value itself for one local replica
     unless the strategy always wraps)."""

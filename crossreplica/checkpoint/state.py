@@ -29,13 +29,16 @@ The walk runs on every worker: a ``cr.Variable`` that aggregates when read
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import nest
 from ..errors import ReplicaContextError, ReplicasDivergeWarning
 from ..values import Mirrored, PerReplica
+
+if TYPE_CHECKING:
+    from ..strategies.base import Strategy
 
 __all__ = ["MIRRORED", "PER_REPLICA", "TENSOR", "STATEFUL", "GENERATOR", "GET_STATE", "GETSTATE",
            "Unsettled", "capture", "kind", "local_ids_for", "warn_copies_differ", "where"]
@@ -92,7 +95,7 @@ class Unsettled:
         self.mirrored = mirrored
 
 
-def capture(state: Any, strategy: Any, unsettled: list[Unsettled], path: tuple = ()) -> Any:
+def capture(state: Any, strategy: Strategy, unsettled: list[Unsettled], path: tuple = ()) -> Any:
     """``state`` as a plain nest; each PerReplica becomes an :class:`Unsettled` appended to
     ``unsettled`` (settled by :func:`.per_replica.settle`)."""
     k = kind(state)
@@ -126,7 +129,7 @@ def capture(state: Any, strategy: Any, unsettled: list[Unsettled], path: tuple =
     return state
 
 
-def local_ids_for(value: Any, strategy: Any, api: str, name: str, hint: str) -> tuple[int, ...]:
+def local_ids_for(value: Any, strategy: Strategy, api: str, name: str, hint: str) -> tuple[int, ...]:
     """The strategy's local replica ids, one per value of ``value`` (a DistributedValues);
     a ValueError naming ``name`` when the counts differ (``value`` belongs to another strategy)."""
     local_ids = tuple(strategy.extended.local_replica_ids)
@@ -138,7 +141,7 @@ def local_ids_for(value: Any, strategy: Any, api: str, name: str, hint: str) -> 
     return local_ids
 
 
-def _per_replica(value: PerReplica, strategy: Any, unsettled: list[Unsettled], path: tuple) -> Unsettled:
+def _per_replica(value: PerReplica, strategy: Strategy, unsettled: list[Unsettled], path: tuple) -> Unsettled:
     name = where("state", path)
     local_ids_for(value, strategy, "cr.save", name, "the strategy whose run returned it")
     nested: list[Unsettled] = []  # a PerReplica inside a PerReplica is one value per replica already

@@ -35,17 +35,20 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import torch_private as tp
 from ..context import current_replica_context
-from ..engines.base import INPLACE, Call, Kind, Pending
+from ..engines.base import INPLACE, Call, Engine, Kind, Pending
 from ..engines.wire import start_on_wire
 from ..groups import Groups, group_of
 from ..reduce_op import ReduceOp
 from .routing import on_engine
+
+if TYPE_CHECKING:
+    from ..cross_device_ops import CommunicationOptions
 
 __all__ = ["OverlappedReduction"]
 
@@ -69,7 +72,7 @@ class OverlappedReduction:
     """The buckets and hooks of one CrossShardOptimizer; see the module docstring."""
 
     def __init__(self, params: list[torch.Tensor], bucket_bytes: int, op: ReduceOp,
-                 groups_of: Any, options: Any = None):
+                 groups_of: Any, options: CommunicationOptions | None = None):
         self.op = ReduceOp.MEAN if op is ReduceOp.MEAN else ReduceOp.SUM
         self._groups_of = groups_of  # num_replicas -> Groups (the optimizer's cache)
         self._options = options  # the optimizer's CommunicationOptions (routing.py)
@@ -166,7 +169,7 @@ class OverlappedReduction:
             self._start(b, rctx.engine, rid, groups)
             self._next += 1
 
-    def _start(self, bucket: _Bucket, engine: Any, rid: int, groups: Groups) -> None:
+    def _start(self, bucket: _Bucket, engine: Engine, rid: int, groups: Groups) -> None:
         if bucket.shared is None:  # every replica asks in the same order: bucket order
             first = bucket.params[0]
             buf = engine.shared_buffer(sum(p.numel() for p in bucket.params), first.dtype, first.device)

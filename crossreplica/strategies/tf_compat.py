@@ -40,6 +40,7 @@ from ..variables import Variable
 
 if TYPE_CHECKING:
     from ..cross_device_ops import CrossDeviceOps
+    from .extended import StrategyExtended
 
 __all__ = ["TFCompatExtended", "TFCompatMethods", "broadcast_to", "check_gather_shapes"]
 
@@ -222,7 +223,7 @@ def broadcast_to(ops: "CrossDeviceOps", value: Any, destinations: Any) -> Any:
     return ops.broadcast(value, destinations)
 
 
-def check_gather_shapes(ext: Any, tensors: Sequence[torch.Tensor], axis: int) -> None:
+def check_gather_shapes(ext: StrategyExtended, tensors: Sequence[torch.Tensor], axis: int) -> None:
     """Raises ValueError, on every worker alike, when the replicas' values (``tensors``: the
     local ones) differ in rank or in a dimension other than ``axis``; across workers the
     shapes travel first (two small gathers)."""
