@@ -1,10 +1,10 @@
 """Per-replica random streams: every replica draws from generators of its own.
 
-torch's default generators are process wide, so replicas that are threads of
-one process would race for them (replica 0 and replica 1 swap dropout masks
-from run to run). Instead every ``run`` gives each replica its own stream, a
-documented function of the caller's seed and of the replica's global id, the
-same on every strategy and engine:
+torch's default generators are process wide, so replicas that are threads of one
+process would race for them (replica 0 and replica 1 swap dropout masks from run
+to run). Instead every ``run`` gives each replica its own stream, a documented
+function of the caller's seed and of the replica's global id, the same on every
+strategy and engine:
 
     base = torch.randint(0, 2**63 - 1, (), device="cpu").item()  # once per run, in the caller's thread
     seed(i) = base + i                              # replica i runs as after torch.manual_seed(seed(i))
