@@ -2,8 +2,6 @@
 
 Write a replica function once; run it on one device, on N in-process replicas,
 on N processes or on many hosts, with the same numbers.
-
-Layer: the public face (layer 7): re-exports every public name; see docs/architecture.md.
 """
 
 from . import torch_private  # noqa: F401 - first: a torch lacking a private symbol fails here, naming it

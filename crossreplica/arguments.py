@@ -1,8 +1,8 @@
 """Checks for numeric arguments, shared by every public entry point.
 
-Layer: bottom (imports only errors). Each check validates once, at
-the boundary, and raises a ValueError that names the argument, shows the value
-and says what was expected, as the rest of the library's messages do.
+Each check validates once, at the boundary, and raises a ValueError that names
+the argument, shows the value and says what was expected, as the rest of the
+library's messages do.
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
-"""The ``crossreplica`` command line: ``crossreplica train`` runs the demo.
-
-Layer: the face (layer 6); see docs/architecture.md.
-"""
+"""The ``crossreplica`` command line: ``crossreplica train`` runs the demo."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """Strategy and replica contexts: a thread-local stack, as in tf.distribute.
 
-Layer: contexts, just above values/groups and below collectives. This module
-imports nothing of crossreplica but errors, reduce_op and values (it tells a
-distributed value which replica runs: ``values.register_local_index``). What it
-needs from a strategy is the typed :class:`StrategyLike` / :class:`ReplicaHost`
-interface below, and the default strategy comes from a factory the strategies
-layer registers (:func:`register_default_strategy`).
+This module imports nothing of crossreplica but errors, reduce_op and values (it
+tells a distributed value which replica runs: ``values.register_local_index``).
+What it needs from a strategy is the typed :class:`StrategyLike` /
+:class:`ReplicaHost` interface below, and the default strategy comes from a
+factory the strategies layer registers (:func:`register_default_strategy`).
 
 Entering ``strategy.scope()`` pushes a cross-replica frame; each replica thread
 of ``strategy.run`` pushes a replica frame holding its :class:`ReplicaContext`;

@@ -10,8 +10,6 @@
   in a layer above; it is recognised by its class attribute ``_cr_variable``.
 * The ops reduce in cross-replica context only, as in TF: called in a replica
   function they would reduce that one replica's value.
-
-Layer: cross-device ops (layer 4); see docs/architecture.md.
 """
 
 from __future__ import annotations

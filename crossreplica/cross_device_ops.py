@@ -8,7 +8,6 @@ pass it). Like TF's, the ops work in cross-replica context only. Results are
 always :class:`~crossreplica.values.Mirrored`, one copy per destination device,
 each a distinct tensor.
 
-Layer: cross-device ops, above collectives and contexts, below strategies.
 What the ops need from a strategy is a :class:`Reducer` (the strategy's
 ``extended``), passed explicitly by ``strategy.extended.reduce_to`` and
 friends; called directly, as tf.distribute users do inside
@@ -25,14 +24,11 @@ processes), so a cross-device reduction equals the sequential
   strategy's all-reduce; ``batch_reduce`` packs small tensors of one dtype and
   device into flat buffers first, so many small reductions become one.
 
-Every cross-device reduction of a strategy goes through its ops: ``reduce_to``
-and ``batch_reduce_to``, ``strategy.reduce``, and, in a replica context,
-``ReplicaContext.all_reduce`` and CrossShardOptimizer's gradients
-(:meth:`CrossDeviceOps.replica_all_reduce`, a merge_call; ``replica_reduce.py``).
-Only the exact default lets replica-context reductions run straight on the
-engine (:meth:`CrossDeviceOps.replica_reductions_on_engine`), with the same
-numbers. The TPU-style collectives (``cr.all_reduce``, ``cr.cross_replica_sum``,
-group assignments) always go to the engine.
+Every cross-device reduction of a strategy goes through its ops, in a replica
+context by :meth:`CrossDeviceOps.replica_all_reduce` (a merge_call;
+``replica_reduce.py``); only the exact default lets replica-context reductions
+run straight on the engine (:meth:`CrossDeviceOps.replica_reductions_on_engine`),
+with the same numbers. Which call takes which path: docs/collectives.md.
 """
 
 from __future__ import annotations

@@ -31,8 +31,6 @@ per-replica batches, and its local replicas take whole elements in turn, as
 TF does (a last step with fewer elements than replicas gives the others empty
 batches). ``experimental_distribute_values_from_function`` calls
 ``fn(ValueContext)`` once per local replica.
-
-Layer: strategies (layer 5); see docs/architecture.md.
 """
 
 from __future__ import annotations

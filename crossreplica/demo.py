@@ -10,8 +10,6 @@ The replica function is what a user writes: forward on the replica's part of
 the batch, mean loss over its rows, backward, ``CrossShardOptimizer.step``
 with the row count as weight so the last, uneven batch of each epoch still
 gives the exact global mean gradient.
-
-Layer: the face (layer 6); see docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
-"""Device arguments: validated once, turned into torch.device.
-
-Layer: bottom (layer 0); see docs/architecture.md.
-"""
+"""Device arguments: validated once, turned into torch.device."""
 
 from __future__ import annotations
 

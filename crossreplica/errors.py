@@ -7,8 +7,6 @@ handlers keep working.
 
 The warning categories live here too (``cr.logs`` shows them, and documents
 them): misuse that still works is a ``warnings.warn`` with one of them.
-
-Layer: bottom (layer 0); see docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -19,8 +19,6 @@ Accepted spellings:
 Caches are plain dicts, not ``functools.lru_cache``: torch.compile traces the
 group resolution of a compiled replica step, and Dynamo warns about (and
 ignores) lru_cache wrappers.
-
-Layer: bottom (layer 0); see docs/architecture.md.
 """
 
 from __future__ import annotations

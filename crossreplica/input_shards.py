@@ -1,7 +1,5 @@
 """Input sharding: a worker reads only its replicas' rows of each global batch.
 
-Layer: strategies (layer 5, beside :mod:`crossreplica.data`); see docs/architecture.md.
-
 A ``torch.utils.data.DataLoader`` over a map-style dataset (``len`` and
 ``__getitem__``) with automatic batching draws each global batch as a list of
 indices from its batch sampler before it reads a row. :class:`ShardedLoader`

@@ -15,8 +15,6 @@ categories shown here (all subclasses of :class:`CrossReplicaWarning`, a
 ``UserWarning``; defined in ``errors.py`` beside the exceptions, so that
 ``settings.py`` can warn too), so ``warnings.filterwarnings`` can silence or
 escalate them.
-
-Layer: bottom (layer 0); see docs/architecture.md.
 """
 
 from __future__ import annotations

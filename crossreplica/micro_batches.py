@@ -1,8 +1,7 @@
 """Layout-invariant training: a step's result depends on the global batch only.
 
-Layer: plain values and rules (0). ``cr.LayoutInvariant(micro_batches=M)``
-passed as ``layout_invariant=`` to a strategy turns the mode on
-(docs/layout_invariance.md):
+``cr.LayoutInvariant(micro_batches=M)`` passed as ``layout_invariant=`` to a
+strategy turns the mode on (docs/layout_invariance.md):
 
 * every global batch of ``B`` rows is cut into ``M`` micro-batches,
   :func:`micro_batch_sizes` (the first ``B % M`` get one row more);

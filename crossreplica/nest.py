@@ -20,8 +20,6 @@ Everything else, DistributedValues included, is a leaf. Every part of
 crossreplica that walks user structures goes through :func:`children` and
 :func:`rebuild` (or :func:`flatten`, :func:`unflatten`, :func:`map_structure`
 built on them), so they all agree on what a nest is.
-
-Layer: bottom (layer 0); see docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -13,8 +13,6 @@ elementwise, so reducing a pack and splitting it again is bitwise the same as
 reducing each tensor on its own; packing only saves calls and kernel launches.
 The plan depends only on the tensors' devices, dtypes and sizes, so replicas
 holding tensors of the same shapes make the same plan.
-
-Layer: bottom (layer 0); see docs/architecture.md.
 """
 
 from __future__ import annotations

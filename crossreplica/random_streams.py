@@ -1,39 +1,32 @@
 """Per-replica random streams: every replica draws from generators of its own.
 
-Layer: plain values and rules (0). torch's default generators are process wide,
-so replicas that are threads of one process would race for them (replica 0 and
-replica 1 swap dropout masks from run to run). Instead every ``run`` gives each
-replica its own stream, a documented function of the caller's seed and of the
-replica's global id, the same on every strategy and engine:
+torch's default generators are process wide, so replicas that are threads of one
+process would race for them (replica 0 and replica 1 swap dropout masks from run
+to run). Instead every ``run`` gives each replica its own stream, a documented
+function of the caller's seed and of the replica's global id, the same on every
+strategy and engine:
 
     base = torch.randint(0, 2**63 - 1, (), device="cpu").item()  # once per run, in the caller's thread
     seed(i) = base + i                              # replica i runs as after torch.manual_seed(seed(i))
 
-``base`` comes from the caller's default CPU generator (advancing it by that one
-draw, on every worker alike), so ``torch.manual_seed(s)`` before ``run`` makes the
-run reproducible and two runs in a row draw different numbers, as two calls of
-the function on one device would. Replica ``i``'s generators are fresh for each
-run: one per device it draws on, each seeded with ``seed(i)`` (``torch.manual_seed``
-seeds the CPU and every CUDA device with the same value).
+``base`` comes from the caller's default CPU generator (one draw, on every
+worker alike), so ``torch.manual_seed(s)`` before ``run`` makes the run
+reproducible and two runs in a row draw different numbers. Replica ``i``'s
+generators are fresh for each run: one per device it draws on, each seeded
+with ``seed(i)``.
 
-How draws reach the replica's generators (the routing): while a replica runs,
-its thread has a dispatch key (:data:`KEY`) in torch's thread-local include set.
-Every aten operator with a ``Generator?`` argument has a kernel at that key that
-fills in the replica's generator for the op's device when none was given, then
-carries on below the key; an overload without a generator argument (``randn(size)``)
-is sent to its ``generator=`` twin. So every way to a random number is covered
-(``F.dropout`` and its variants, ``rand``/``randn``/``randint``/``randperm``/``*_like``,
-``bernoulli``, ``multinomial``, ``normal_``/``uniform_`` in module initialisation,
-``torch.distributions``), in C++ composites too, and an explicit ``generator=``
-is left untouched. Operators that draw but take no generator (``native_dropout``,
-the fused attention kernels with dropout on CUDA) run with the device's default
+Routing: while a replica runs, its thread has a dispatch key (:data:`KEY`) in
+torch's thread-local include set. Every aten operator with a ``Generator?``
+argument has a kernel at that key that fills in the replica's generator for
+the op's device when none was given (an overload without a generator argument
+is sent to its ``generator=`` twin), so every way to a random number is
+covered, in C++ composites too, and an explicit ``generator=`` is left
+untouched. Operators that draw but take no generator (``native_dropout``, the
+fused attention kernels with dropout on CUDA) run with the device's default
 generator swapped to the replica's state, under a lock. Every other operator
-falls through the key at no cost: the key chosen is one no kernel in torch uses
-(``DeferredInit``, torchdistx's out-of-tree key); ``CustomRNGKeyId``, the one meant
-for custom generators, receives every composite kernel of torch, which would make
-each ordinary op about 1 us slower in a replica. Tracing for ``torch.compile``
-(fake, proxy and functional modes) sees the ops unchanged, so compiled graphs
-hold no generator; at run time inductor draws its seeds (``randint``) through the
+falls through the key at no cost (why this key: docs/fidelity.md, "Random
+numbers"). Tracing for ``torch.compile`` sees the ops unchanged, so compiled
+graphs hold no generator; at run time inductor draws its seeds through the
 replica's stream.
 
 Outside a replica (the caller, ``merge_fn`` in cross-replica context, threads

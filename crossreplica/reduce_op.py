@@ -1,7 +1,4 @@
-"""The reduction operators every reducing API accepts.
-
-Layer: bottom (layer 0); see docs/architecture.md.
-"""
+"""The reduction operators every reducing API accepts."""
 
 from __future__ import annotations
 

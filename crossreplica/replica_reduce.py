@@ -15,13 +15,11 @@ which path).
 
 Differentiable for SUM and MEAN, as TF's ``ReplicaContext.all_reduce`` is: the
 backward all-reduces the cotangents the same way, through the same ops.
-
-Layer: cross-device ops (layer 4); see docs/architecture.md.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,10 +30,13 @@ from .errors import CollectiveMismatchError
 from .reduce_op import ReduceOp, check_dtype
 from .values import PerReplica
 
+if TYPE_CHECKING:
+    from .cross_device_ops import CommunicationOptions, CrossDeviceOps
+
 __all__ = ["all_reduce_in_replica", "merged_all_reduce"]
 
 
-class _Leaves:
+class _ReplicaTensors:
     """One replica's tensors: an object per replica, so merge_call's regroup always
     wraps them (tensors that happen to be the same object would stay unwrapped)."""
 
@@ -45,7 +46,7 @@ class _Leaves:
         self.tensors = tensors
 
 
-def _check_agree(parts: list[_Leaves], names: tuple[int, ...]) -> None:
+def _check_agree(parts: list[_ReplicaTensors], names: tuple[int, ...]) -> None:
     sig = [[(tuple(t.shape), t.dtype) for t in p.tensors] for p in parts]
     if any(s != sig[0] for s in sig[1:]):
         lines = "\n".join(f"  replica {r}: {[(list(s), str(d)) for s, d in one]}" for r, one in zip(names, sig))
@@ -54,8 +55,8 @@ def _check_agree(parts: list[_Leaves], names: tuple[int, ...]) -> None:
             f"tensors of different shapes or dtypes:\n{lines}")
 
 
-def merged_all_reduce(cdo: Any, rctx: ReplicaContext, op: ReduceOp, tensors: list[torch.Tensor],
-                      options: Any) -> list[torch.Tensor]:
+def merged_all_reduce(cdo: CrossDeviceOps, rctx: ReplicaContext, op: ReduceOp, tensors: list[torch.Tensor],
+                      options: CommunicationOptions | None) -> list[torch.Tensor]:
     """Every replica's ``tensors`` reduced by ``cdo.batch_reduce`` in one merge_call;
     returns this replica's copies of the results (fresh tensors on its device)."""
     ext = rctx.strategy.extended
@@ -69,7 +70,7 @@ def merged_all_reduce(cdo: Any, rctx: ReplicaContext, op: ReduceOp, tensors: lis
             reduced = cdo.batch_reduce(op, [(v, v) for v in values], options, reducer=ext)
         return PerReplica([[m.values[i] for m in reduced] for i in range(len(parts))])
 
-    return list(ext.merge_call(rctx, merge_fn, (_Leaves(list(tensors)),), {}, timeout=timeout))
+    return list(ext.merge_call(rctx, merge_fn, (_ReplicaTensors(list(tensors)),), {}, timeout=timeout))
 
 
 class _MergedAllReduce(torch.autograd.Function):
@@ -93,14 +94,14 @@ class _MergedAllReduce(torch.autograd.Function):
         return (None, None, None, None, *_reduce(ctx.cdo, ctx.rctx, ctx.op, list(grads), ctx.options))
 
 
-def _reduce(cdo: Any, rctx: ReplicaContext, op: ReduceOp, tensors: list[torch.Tensor],
-            options: Any) -> list[torch.Tensor]:
+def _reduce(cdo: CrossDeviceOps, rctx: ReplicaContext, op: ReduceOp, tensors: list[torch.Tensor],
+            options: CommunicationOptions | None) -> list[torch.Tensor]:
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return list(_MergedAllReduce.apply(cdo, rctx, op, options, *tensors))
     return merged_all_reduce(cdo, rctx, op, tensors, options)
 
 
-def all_reduce_in_replica(cdo: Any, op: ReduceOp, value: Any, options: Any) -> Any:
+def all_reduce_in_replica(cdo: CrossDeviceOps, op: ReduceOp, value: Any, options: CommunicationOptions | None) -> Any:
     """``value`` (a tensor, a number or a nest of them) reduced over every replica in
     sync through ``cdo``; called in a replica context by every replica."""
     rctx = context.require_replica_context("CrossDeviceOps.replica_all_reduce")

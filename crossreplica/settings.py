@@ -9,8 +9,6 @@ Parsed values are cached by their raw text, so a changed environment takes
 effect at the next use. An empty value is the same as an unset one. A
 ``CROSSREPLICA_*`` variable that no entry declares (a typo) gets one
 ConfigurationWarning naming the closest known name.
-
-Layer: bottom (layer 0); see docs/architecture.md.
 """
 
 from __future__ import annotations

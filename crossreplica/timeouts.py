@@ -6,8 +6,6 @@ the API boundary (they used to be accepted and then fail every wait with an
 OverflowError deep inside a lock or a datetime); a non-number is a TypeError.
 There is deliberately no "wait forever": a replica that never arrives must
 become an error, so pass a generous bound instead.
-
-Layer: bottom (layer 0); see docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The one seam between crossreplica and torch's private APIs.
 
-Layer: plain values and rules (0). Every private torch symbol the package uses
-is reached through this module, and nowhere else (``tests/test_torch_private.py``
-scans the package for any other use). Each one is declared once, below, with
-what it is, the oldest torch where it exists in the form used (verified on the
-torch the package pins; older entries are from torch's history) and what in
-crossreplica breaks without it; :data:`PRIVATE` holds those records.
+Every private torch symbol the package uses is reached through this module, and
+nowhere else (``tests/test_torch_private.py`` scans the package for any other
+use). Each one is declared once, below, with what it is, the oldest torch where
+it exists in the form used (verified on the torch the package pins; older
+entries are from torch's history) and what in crossreplica breaks without it;
+:data:`PRIVATE` holds those records.
 
 What counts as private: a name with a leading underscore anywhere on its path
 (``torch._C.…``, ``torch.utils._pytree``, ``Tensor._base``, ``Module._buffers``),

@@ -1,11 +1,11 @@
 """The caller's thread-local torch state, carried into replica threads.
 
-Layer: plain values and rules (0). torch keeps several switches per thread: a
-thread started by a strategy sees torch's defaults, not the state of the thread
-that called ``strategy.run``. :func:`capture` records, in the caller's thread,
-every thread-local switch that changes what a replica computes; :func:`applied`
-re-enters it in a replica thread, so ``with torch.no_grad(): strategy.run(fn)``
-runs ``fn`` without grad on every replica, as it would on one device.
+torch keeps several switches per thread: a thread started by a strategy sees
+torch's defaults, not the state of the thread that called ``strategy.run``.
+:func:`capture` records, in the caller's thread, every thread-local switch that
+changes what a replica computes; :func:`applied` re-enters it in a replica
+thread, so ``with torch.no_grad(): strategy.run(fn)`` runs ``fn`` without grad
+on every replica, as it would on one device.
 
 Carried (each is thread-local in torch; see docs/fidelity.md):
 

@@ -1,8 +1,8 @@
 """A summation whose bits depend only on the list of summands, never on who adds them.
 
-Layer: plain values and rules (0). The layout-invariant mode
-(:mod:`crossreplica.micro_batches`) sums per-micro-batch gradients this way, so
-one device, 2, 3, 4 or 8 replicas, threads or processes give the same bits.
+The layout-invariant mode (:mod:`crossreplica.micro_batches`) sums
+per-micro-batch gradients this way, so one device, 2, 3, 4 or 8 replicas,
+threads or processes give the same bits.
 
 The sum of ``n`` summands (indices ``0 .. n-1``, one tensor each) is defined as a
 fixed binary tree over the indices: the tree over ``[lo, lo + size)`` with
@@ -23,18 +23,10 @@ that holds every index. A contiguous range of ``m`` indices has at most
 power of two (``m`` replicas of ``n = m * 2**j``) has one.
 
 Error bound (pairwise summation): with ``d = ceil(log2 n)`` levels, the computed
-sum ``s`` of ``x_0 .. x_{n-1}`` in a format with unit roundoff ``u``
-(``2**-24`` for float32) satisfies ``|s - sum x_i| <= d * u * sum |x_i|`` to first
-order; the usual left-to-right sum of a data-parallel all-reduce has ``n - 1``
-in place of ``d``.
-
-Why a tree and not an exact accumulator (binned summation as in ReproBLAS, or a
-fixed-point long accumulator): those give the correctly rounded sum whatever the
-layout, but carry several words per element (a float32 spans 277 bits of
-exponent range) through every addition and through the network; the tree carries
-one float per element, costs one addition per summand as autograd's own
-accumulation does, and its invariance needs only that every worker's indices be
-contiguous, which is how the micro-batches are dealt out.
+sum ``s`` of ``x_0 .. x_{n-1}`` in a format with unit roundoff ``u`` satisfies
+``|s - sum x_i| <= d * u * sum |x_i|`` to first order (``n - 1`` in place of ``d``
+for a left-to-right sum). Why a tree and not an exact accumulator:
+docs/layout_invariance.md, "Why a tree, and its error bound".
 """
 
 from __future__ import annotations

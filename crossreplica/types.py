@@ -1,7 +1,7 @@
 """Public names for the shapes that recur in crossreplica's signatures.
 
-Layer: bottom (imports nothing of crossreplica). Use them to annotate code that
-passes values through the library: ``def step(batch: cr.types.Nest) -> cr.types.Nest``.
+Use them to annotate code that passes values through the library:
+``def step(batch: cr.types.Nest) -> cr.types.Nest``.
 """
 
 from __future__ import annotations

@@ -8,8 +8,6 @@ keep their class, and with a single replica regroup is the identity unless
 (builtins, types registered with torch's pytree, dataclasses); a pytree or
 dataclass object that is the same object on every replica is kept as it is,
 like a shared leaf.
-
-Layer: bottom (layer 0); see docs/architecture.md.
 """
 
 from __future__ import annotations

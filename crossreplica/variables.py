@@ -28,16 +28,13 @@ and operators take it, ``value()`` is the copy itself (gradients reach it),
 ``read_value()`` a snapshot, ``numpy()`` a NumPy array. ``state_dict`` /
 ``load_state_dict`` carry the value read in cross-replica context, which
 ``cr.save`` / ``cr.load`` round-trip.
-
-Layer: strategies (layer 5): it needs a strategy's machinery
-(``strategy.extended``) and the context stack; see docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Callable
 
 import torch
@@ -46,6 +43,9 @@ from . import context, nest
 from .errors import ReplicaContextError, summarize
 from .reduce_op import ReduceOp, check_dtype
 from .values import DistributedValues, Mirrored, PerReplica, select_replica
+
+if TYPE_CHECKING:
+    from .strategies.base import Strategy  # type-only: strategies sit one sub-layer above
 
 __all__ = ["Variable", "VariableAggregation", "VariableSynchronization"]
 
@@ -417,7 +417,7 @@ for _name in ("lt", "le", "gt", "ge"):
     setattr(Variable, f"__{_name}__", _binary(f"__{_name}__"))
 
 
-def _merge_update(var: Variable, kind: str, argname: str, strategy: Any, value: Any) -> None:
+def _merge_update(var: Variable, kind: str, argname: str, strategy: Strategy, value: Any) -> None:
     """In cross-replica context, once per worker: aggregates what the local replicas passed
     (with every other worker's) and applies the result to every local copy."""
     ext = strategy.extended
@@ -443,7 +443,7 @@ def _merge_update(var: Variable, kind: str, argname: str, strategy: Any, value: 
         _apply(c, kind, new.to(c.device))
 
 
-def _create_in_merge(cls: type, strategy: Any, args: Any, kwargs: Any) -> Variable:
+def _create_in_merge(cls: type, strategy: Strategy, args: Any, kwargs: Any) -> Variable:
     """merge_fn of a variable created in a replica function: one variable from local replica
     0's arguments (across workers the chief's initial value wins, as at any creation)."""
     args, kwargs = select_replica(0, (args, kwargs))

@@ -1,3 +1,3 @@
-"""The package version (bottom layer: the command line and ``cr.__version__`` read it)."""
+"""The package version (the command line and ``cr.__version__`` read it)."""
 
 __version__ = "0.1.0"

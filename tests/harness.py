@@ -22,7 +22,7 @@ from typing import Any
 import crossreplica.testing as crt
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_TIMEOUT = crt.DEFAULT_TIMEOUT
+DEFAULT_TIMEOUT = crt.DEFAULT_TEST_TIMEOUT
 
 
 def _runner(engine: str) -> Callable[..., list[Any]]:

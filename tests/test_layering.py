@@ -3,19 +3,24 @@
 The layers, bottom to top, as docs/architecture.md draws them. An import of a
 higher layer, an internal import done inside a function (a lazy import hides a
 cycle) or an engine reaching into another engine's private names fails here.
+Layer 5 has three sub-layers (5a data, nn, variables < 5b strategies < 5c optim,
+checkpoint); a type-only import (under ``if TYPE_CHECKING:``) may point up a
+sub-layer of its own layer, never up a whole layer.
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import warnings
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "crossreplica"
 
-# module (dotted, relative to crossreplica; a package name covers its modules) -> layer
-LAYERS: dict[str, int] = {
+# module (dotted, relative to crossreplica; a package name covers its modules) -> layer;
+# layer 5's sub-layers are 5.0 (5a), 5.1 (5b) and 5.2 (5c)
+LAYERS: dict[str, float] = {
     "errors": 0, "reduce_op": 0, "arguments": 0, "devices": 0, "nest": 0, "groups": 0,
     "values": 0, "packing": 0, "version": 0, "types": 0, "timeouts": 0, "torch_state": 0, "logs": 0,
     "random_streams": 0, "torch_private": 0, "settings": 0, "tree_sum": 0, "micro_batches": 0,
@@ -23,14 +28,14 @@ LAYERS: dict[str, int] = {
     "context": 2,
     "collectives": 3,
     "cross_device_ops": 4, "replica_reduce": 4, "cross_device_compat": 4,
-    "strategies": 5, "optim": 5, "optim.amp": 5, "data": 5, "input_shards": 5, "nn": 5, "checkpoint": 5,
-    "variables": 5,
-    "checkpoint.state": 5, "checkpoint.per_replica": 5, "checkpoint.restore": 5, "checkpoint.fileio": 5,
-    "checkpoint.workers": 5, "checkpoint.safe_values": 5,
-    "strategies.buffers": 5,
+    "data": 5.0, "input_shards": 5.0, "nn": 5.0, "variables": 5.0,
+    "strategies": 5.1,
+    "optim": 5.2, "checkpoint": 5.2,
     "demo": 6, "cli": 6, "testing": 6,
-    "__init__": 7, "__main__": 7,
+    "__init__": 7,
 }
+SUB_LAYERS = {5.0: "5a", 5.1: "5b", 5.2: "5c"}
+LONG_MODULE = 700  # lines; a longer module gets a warning (split along concepts, not to fit a number)
 CONCRETE_ENGINES = ("threads", "torch_dist", "hierarchical")
 
 
@@ -41,7 +46,7 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts)
 
 
-def _layer(module: str) -> int:
+def _layer(module: str) -> float:
     name = module
     while name:
         if name in LAYERS:
@@ -66,18 +71,28 @@ def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> list[str]:
     return [base]
 
 
-def _imports(path: pathlib.Path) -> list[tuple[ast.ImportFrom | ast.Import, bool]]:
-    """Every import statement of the file, and whether it sits inside a function."""
-    tree = ast.parse(path.read_text(), str(path))
-    found: list[tuple[ast.ImportFrom | ast.Import, bool]] = []
+def _is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
 
-    def visit(node: ast.AST, in_function: bool) -> None:
+
+def _imports(path: pathlib.Path) -> list[tuple[ast.ImportFrom | ast.Import, bool, bool]]:
+    """Every import statement of the file, whether it sits inside a function, and whether
+    it is type-only (inside ``if TYPE_CHECKING:``)."""
+    tree = ast.parse(path.read_text(), str(path))
+    found: list[tuple[ast.ImportFrom | ast.Import, bool, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool, type_only: bool) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.Import, ast.ImportFrom)):
-                found.append((child, in_function))
-            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
-    visit(tree, False)
+                found.append((child, in_function, type_only))
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)),
+                  type_only or _is_type_checking(child))
+    visit(tree, False, False)
     return found
+
+
+def _name(layer: float) -> str:
+    return SUB_LAYERS.get(layer, f"{layer:g}")
 
 
 FILES = sorted(ROOT.rglob("*.py"))
@@ -87,7 +102,7 @@ FILES = sorted(ROOT.rglob("*.py"))
 def test_imports_point_down(path):
     module = _module_name(path)
     layer = _layer(module)
-    for node, in_function in _imports(path):
+    for node, in_function, type_only in _imports(path):
         if isinstance(node, ast.Import):
             targets = [a.name.removeprefix("crossreplica").lstrip(".") for a in node.names
                        if a.name.startswith("crossreplica")]
@@ -98,8 +113,9 @@ def test_imports_point_down(path):
             assert not in_function, f"{where} imports crossreplica.{target} inside a function"
             if target == "" or target.split(".")[0] == module.split(".")[0]:
                 continue  # the package itself, or a module of its own package
-            assert _layer(target) <= layer, (
-                f"{where} imports crossreplica.{target} (layer {_layer(target)}) from layer {layer}")
+            allowed = int(layer) + 0.99 if type_only else layer  # a type-only import: within its layer
+            assert _layer(target) <= allowed, (
+                f"{where} imports crossreplica.{target} (layer {_name(_layer(target))}) from layer {_name(layer)}")
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "engines").rglob("*.py")),
@@ -107,7 +123,7 @@ def test_imports_point_down(path):
 def test_engines_use_no_other_engine_private_names(path):
     module = _module_name(path)
     own = module.split(".")[1] if module.count(".") >= 1 else ""
-    for node, _ in _imports(path):
+    for node, _, _ in _imports(path):
         if not isinstance(node, ast.ImportFrom):
             continue
         for target in _resolve(module, path.name == "__init__.py", node):
@@ -117,6 +133,10 @@ def test_engines_use_no_other_engine_private_names(path):
                 assert not private, f"crossreplica.{module} imports private {private} from crossreplica.{target}"
 
 
-def test_every_module_is_small():
-    too_long = {str(p.relative_to(ROOT)): n for p in FILES if (n := len(p.read_text().splitlines())) > 450}
-    assert not too_long, f"modules over 450 lines: {too_long}"
+def test_long_modules_are_flagged():
+    """Not a limit: a module is cut along its concepts, not to fit a line count. A module over
+    LONG_MODULE lines gets a warning (shown in pytest's summary) asking whether it holds two."""
+    too_long = {str(p.relative_to(ROOT)): n for p in FILES if (n := len(p.read_text().splitlines())) > LONG_MODULE}
+    for name, n in too_long.items():
+        warnings.warn(f"crossreplica/{name} has {n} lines (over {LONG_MODULE}): does it hold more than one concept?",
+                      UserWarning, stacklevel=1)

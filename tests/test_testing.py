@@ -32,6 +32,11 @@ def test_default_layouts():
     assert [crt.layout(n) for n in (1, 2, 3, 4, 6, 8)] == [(1, 1), (2, 1), (3, 1), (2, 2), (2, 3), (2, 4)]
 
 
+def test_default_timeout_is_a_deprecated_name():
+    with pytest.warns(DeprecationWarning, match="DEFAULT_TEST_TIMEOUT"):
+        assert crt.DEFAULT_TIMEOUT == crt.DEFAULT_TEST_TIMEOUT == 30.0
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("n,rpw", [(2, 1), (4, 2), (4, 1), (6, 3)], ids=["2x1", "2x2", "4x1", "2x3"])
 def test_layouts_run_in_their_workers(n, rpw):

@@ -1,7 +1,5 @@
 """Checkpoints of a whole training state: ``cr.save(path, state)``, ``cr.load(path, into=state)``.
 
-Layer: strategies (layer 5); see docs/architecture.md and docs/checkpoints.md.
-
 ``state`` is a nest (dicts, lists, tuples, dataclasses) of tensors, modules,
 optimizers, LR schedulers, ``torch.amp.GradScaler``, ``cr.Variable``, random
 streams (``torch.default_generator``, numpy's ``RandomState``, the ``random``
@@ -20,23 +18,14 @@ record, written atomically; it loads with torch's safe unpickler, and
 outcome; ``cr.load`` reads on the chief and sends the bytes, so the hosts need
 no shared file system.
 
-Why one file written by the chief, not ``torch.distributed.checkpoint`` (DCP):
-DCP pays off when each rank holds a different shard of the state (FSDP,
-DTensor) and a save must not gather it on one host. Here every replica holds
-the whole model (data parallelism; ZeRO-1's ``state_dict`` already gathers the
-optimizer's shards), so the chief has everything to write, and one file keeps
-what DCP's directory of per-rank files does not give: an atomic replace of the
-previous checkpoint, a checksum checked before anything is unpickled, loading
-without a shared file system (DCP's readers each open the storage), and a file
-``torch.load`` reads anywhere. Resuming on another replica count needs no
-resharding for replicated state; per-replica state that differs is small
-(random streams, counters) and travels to the chief as bytes.
+Why one file written by the chief, not ``torch.distributed.checkpoint``:
+docs/checkpoints.md, "Why not torch.distributed.checkpoint".
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,7 +38,7 @@ from .per_replica import resolve as _resolve_records
 from .per_replica import settle as _settle
 from .restore import restore as _restore
 from .safe_values import encode as _encode
-from .state import Pending as _Pending
+from .state import Unsettled as _Unsettled
 from .state import capture as _capture
 from .workers import FAILED as _FAILED
 from .workers import MISSING as _MISSING
@@ -57,10 +46,13 @@ from .workers import OK as _OK
 from .workers import cross_process as _cross_process
 from .workers import share_from_chief as _share_from_chief
 
+if TYPE_CHECKING:
+    from ..strategies.base import Strategy
+
 __all__ = ["save", "load"]
 
 
-def _resolve(strategy: Any, api: str) -> Any:
+def _resolve(strategy: Strategy | None, api: str) -> Strategy:
     if context.current_replica_context() is not None:
         raise ReplicaContextError(
             f"cr.{api} must be called in cross-replica context (outside strategy.run), once per "
@@ -68,18 +60,18 @@ def _resolve(strategy: Any, api: str) -> Any:
     return strategy if strategy is not None else context.get_strategy()
 
 
-def _plain(state: Any, strategy: Any) -> Any:
+def _plain(state: Any, strategy: Strategy) -> Any:
     """``state`` as the plain nest the file holds (a collective when it holds per-replica
     values or ON_READ variables: every worker calls it)."""
-    pending: list[_Pending] = []
-    plain = _capture(state, strategy, pending)
-    if not pending:
+    unsettled: list[_Unsettled] = []
+    plain = _capture(state, strategy, unsettled)
+    if not unsettled:
         return plain
-    settled = dict(zip(map(id, pending), _settle(pending, strategy)))
-    return nest.map_structure(lambda v: settled[id(v)] if isinstance(v, _Pending) else v, plain)
+    settled = dict(zip(map(id, unsettled), _settle(unsettled, strategy)))
+    return nest.map_structure(lambda v: settled[id(v)] if isinstance(v, _Unsettled) else v, plain)
 
 
-def save(path: str | os.PathLike, state: Any, *, strategy: Any = None) -> None:
+def save(path: str | os.PathLike, state: Any, *, strategy: Strategy | None = None) -> None:
     """Saves ``state`` to ``path``: written once by the chief, atomically; every worker returns
     only after the file is in place.
 
@@ -113,7 +105,7 @@ def save(path: str | os.PathLike, state: Any, *, strategy: Any = None) -> None:
         raise RuntimeError(f"cr.save: the chief (rank 0) failed to write {path!r}; see its log")
 
 
-def load(path: str | os.PathLike, *, into: Any = None, map_location: Any = "cpu", strategy: Any = None,
+def load(path: str | os.PathLike, *, into: Any = None, map_location: Any = "cpu", strategy: Strategy | None = None,
          weights_only: bool = True) -> Any:
     """Loads a checkpoint written by :func:`save`; every worker gets the chief's copy.
 
@@ -146,7 +138,7 @@ def load(path: str | os.PathLike, *, into: Any = None, map_location: Any = "cpu"
     return _resolve_records(value, strategy)
 
 
-def _read_everywhere(path: str, map_location: Any, weights_only: bool, strategy: Any) -> Any:
+def _read_everywhere(path: str, map_location: Any, weights_only: bool, strategy: Strategy) -> Any:
     """The checkpoint's nest, read on the chief and sent to every worker."""
     workers = _cross_process(strategy)
     if workers is None:

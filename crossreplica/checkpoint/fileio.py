@@ -1,7 +1,5 @@
 """The checkpoint file: an ordinary ``torch.save`` archive, written atomically, with a checksum.
 
-Layer: strategies (layer 5), the checkpoint package; see docs/architecture.md.
-
 A file is written to a temporary file beside the target (beside a symlink's
 target: saving through a link replaces the file it points to, not the link),
 named ``.<name>.crtmp-<host>-<pid>-<random>``, flushed to disk and renamed over

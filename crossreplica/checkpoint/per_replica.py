@@ -1,7 +1,5 @@
 """Per-replica state in a checkpoint: compared across replicas, kept once or once per replica.
 
-Layer: strategies (layer 5), the checkpoint package; see docs/architecture.md.
-
 A ``PerReplica`` in the state (optimizers returned per replica by
 ``strategy.run``, per-replica random streams, per-replica counters) is walked on
 every replica, and the replicas' states are compared by a sha256 of their bytes
@@ -19,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import io
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,7 +25,11 @@ from .. import nest
 from ..errors import CheckpointError
 from ..values import PerReplica
 from .safe_values import TAG, decode, encode
-from .state import Pending, warn_copies_differ
+from .state import Unsettled, warn_copies_differ
+
+if TYPE_CHECKING:
+    from ..strategies.base import Strategy
+    from ..strategies.extended import StrategyExtended
 
 __all__ = ["digest", "is_record", "pick", "record", "resolve", "settle"]
 
@@ -70,21 +72,21 @@ def digest(value: Any) -> bytes:
     return h.digest()
 
 
-def settle(pending: list[Pending], strategy: Any) -> list[Any]:
-    """The value to save for each pending PerReplica: one state if every replica's is the
+def settle(unsettled: list[Unsettled], strategy: Strategy) -> list[Any]:
+    """The value to save for each unsettled PerReplica: one state if every replica's is the
     same, else a :func:`record` of every replica's (a collective: every worker calls it)."""
-    if not pending:
+    if not unsettled:
         return []
     ext = strategy.extended
     local_ids = tuple(ext.local_replica_ids)
     n = int(ext.num_replicas_in_sync)
-    encoded = [[encode(v) for v in p.local] for p in pending]
+    encoded = [[encode(v) for v in p.local] for p in unsettled]
     rows = [torch.frombuffer(bytearray(b"".join(digest(e[i]) for e in encoded)), dtype=torch.uint8)
             .reshape(1, -1) for i in range(len(local_ids))]
-    table = ext.gather_values(rows, 0)  # [n, 32 * len(pending)], in global replica order
+    table = ext.gather_values(rows, 0)  # [n, 32 * len(unsettled)], in global replica order
     width = 32
     differ = []
-    for j, p in enumerate(pending):
+    for j, p in enumerate(unsettled):
         same = (table[:, j * width:(j + 1) * width] == table[0, j * width:(j + 1) * width]).all(dim=1)
         if bool(same.all()):
             continue
@@ -96,14 +98,14 @@ def settle(pending: list[Pending], strategy: Any) -> list[Any]:
     everyone: dict[int, dict[int, Any]] = {}
     if differ:
         if len(local_ids) == n:  # every replica is in this process
-            everyone = {g: {j: pending[j].local[i] for j in differ} for i, g in enumerate(local_ids)}
+            everyone = {g: {j: unsettled[j].local[i] for j in differ} for i, g in enumerate(local_ids)}
         else:
             everyone = _exchange(ext, [{j: encoded[j][i] for j in differ} for i in range(len(local_ids))], n)
     return [p.mirrored if p.mirrored is not None else record([everyone[g][j] for g in range(n)]) if j in differ
-            else p.local[0] for j, p in enumerate(pending)]
+            else p.local[0] for j, p in enumerate(unsettled)]
 
 
-def _exchange(ext: Any, payloads: list[dict[int, Any]], n: int) -> dict[int, dict[int, Any]]:
+def _exchange(ext: StrategyExtended, payloads: list[dict[int, Any]], n: int) -> dict[int, dict[int, Any]]:
     """Every replica's payload on every worker, as bytes read back by the safe loader."""
     blobs = []
     for payload in payloads:
@@ -135,7 +137,7 @@ def pick(value: Any, replica: int, num_replicas: int, name: str) -> Any:
     return value["replicas"][replica]
 
 
-def resolve(value: Any, strategy: Any, path: tuple = ()) -> Any:
+def resolve(value: Any, strategy: Strategy, path: tuple = ()) -> Any:
     """The loaded nest with each record replaced by this strategy's replicas' parts: a
     PerReplica of the local replicas' values (the value itself for one local replica
     unless the strategy always wraps)."""

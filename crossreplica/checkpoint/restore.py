@@ -1,7 +1,5 @@
 """Restoring a loaded checkpoint into live objects: ``cr.load(path, into=state)``.
 
-Layer: strategies (layer 5), the checkpoint package; see docs/architecture.md.
-
 ``into`` is a nest of the same shape as the state that was saved (usually the
 very dict given to ``cr.save``). Each leaf is restored in place from the entry
 at the same place in the checkpoint, by the kind :func:`.state.kind` gives it:
@@ -20,7 +18,7 @@ state (a CheckpointError carrying the object's own message).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +27,9 @@ from ..errors import CheckpointError, summarize
 from ..values import DistributedValues, Mirrored
 from .per_replica import is_record, pick
 from .state import GENERATOR, MIRRORED, PER_REPLICA, RNG_METHODS, STATEFUL, TENSOR, kind, local_ids_for, where
+
+if TYPE_CHECKING:
+    from ..strategies.base import Strategy
 
 __all__ = ["restore"]
 
@@ -40,7 +41,7 @@ def _fresh(value: Any) -> Any:
     return nest.map_structure(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, value)
 
 
-def restore(target: Any, saved: Any, strategy: Any, path: tuple = ()) -> None:
+def restore(target: Any, saved: Any, strategy: Strategy, path: tuple = ()) -> None:
     """Restores ``target`` (a nest of live objects) from ``saved`` in place."""
     k = kind(target)
     name = where("into", path)
@@ -83,7 +84,7 @@ def _is_numpy(value: Any) -> bool:
     return type(value).__module__.split(".")[0] == "numpy"
 
 
-def _distributed(target: DistributedValues, saved: Any, strategy: Any, path: tuple) -> None:
+def _distributed(target: DistributedValues, saved: Any, strategy: Strategy, path: tuple) -> None:
     ext = strategy.extended
     name = where("into", path)
     local_ids = local_ids_for(target, strategy, "cr.load", name, "the strategy it belongs to")

@@ -1,10 +1,9 @@
 """Values the safe loader refuses, converted on save and restored on load.
 
-Layer: strategies (the checkpoint package). numpy arrays and scalars,
-namedtuples and dataclasses become plain dicts of tensors and builtins marked
-with a tag, which ``torch.load(weights_only=True)`` reads; loading turns them
-back, looking classes up only among modules already imported (a checkpoint
-never imports code).
+numpy arrays and scalars, namedtuples and dataclasses become plain dicts of
+tensors and builtins marked with a tag, which ``torch.load(weights_only=True)``
+reads; loading turns them back, looking classes up only among modules already
+imported (a checkpoint never imports code).
 """
 
 from __future__ import annotations

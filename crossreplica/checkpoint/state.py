@@ -1,7 +1,5 @@
 """The state walker: a nest of live training objects -> a plain nest of tensors and builtins.
 
-Layer: strategies (layer 5), the checkpoint package; see docs/architecture.md.
-
 What each leaf of the nest given to ``cr.save`` becomes (the first rule that
 matches; :func:`kind` is the one place that decides, and restoring uses it too):
 
@@ -31,7 +29,7 @@ The walk runs on every worker: a ``cr.Variable`` that aggregates when read
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,8 +37,11 @@ from .. import nest
 from ..errors import ReplicaContextError, ReplicasDivergeWarning
 from ..values import Mirrored, PerReplica
 
+if TYPE_CHECKING:
+    from ..strategies.base import Strategy
+
 __all__ = ["MIRRORED", "PER_REPLICA", "TENSOR", "STATEFUL", "GENERATOR", "GET_STATE", "GETSTATE",
-           "Pending", "capture", "kind", "local_ids_for", "warn_copies_differ", "where"]
+           "Unsettled", "capture", "kind", "local_ids_for", "warn_copies_differ", "where"]
 
 MIRRORED, PER_REPLICA, TENSOR, STATEFUL = "mirrored", "per_replica", "tensor", "stateful"
 GENERATOR, GET_STATE, GETSTATE = "generator", "get_state", "getstate"
@@ -81,7 +82,7 @@ def where(root: str, path: tuple) -> str:
     return root + ("" if not path else nest.path_str(path))
 
 
-class Pending:
+class Unsettled:
     """A PerReplica's local values, walked, before they are compared across replicas; or a
     Mirrored's compared part (``local``), only to warn when the workers' copies differ, and
     the copy to save (``mirrored``)."""
@@ -94,12 +95,12 @@ class Pending:
         self.mirrored = mirrored
 
 
-def capture(state: Any, strategy: Any, pending: list[Pending], path: tuple = ()) -> Any:
-    """``state`` as a plain nest; each PerReplica becomes a :class:`Pending` appended to
-    ``pending`` (settled by :func:`.per_replica.settle`)."""
+def capture(state: Any, strategy: Strategy, unsettled: list[Unsettled], path: tuple = ()) -> Any:
+    """``state`` as a plain nest; each PerReplica becomes an :class:`Unsettled` appended to
+    ``unsettled`` (settled by :func:`.per_replica.settle`)."""
     k = kind(state)
     if k == MIRRORED:
-        first = capture(state.values[0], strategy, pending, path)
+        first = capture(state.values[0], strategy, unsettled, path)
         trained = _trained(state.values[0], first)
         for i, other in enumerate(state.values[1:], 1):
             if not _same(trained, _trained(other, capture(other, strategy, [], path))):
@@ -109,26 +110,26 @@ def capture(state: Any, strategy: Any, pending: list[Pending], path: tuple = ())
         if local == ext.num_replicas_in_sync:
             return first
         # Other workers hold copies too: compared by digest with the PerReplica values.
-        entry = Pending(where("state", path), [trained] * local, mirrored=first)
-        pending.append(entry)
+        entry = Unsettled(where("state", path), [trained] * local, mirrored=first)
+        unsettled.append(entry)
         return entry
     if k == PER_REPLICA:
-        return _per_replica(state, strategy, pending, path)
+        return _per_replica(state, strategy, unsettled, path)
     if k == TENSOR:
         return state.detach().to("cpu", copy=True)
     if k == STATEFUL:
-        return capture(state.state_dict(), strategy, pending, path)
+        return capture(state.state_dict(), strategy, unsettled, path)
     if k is not None:  # a random stream
         value = getattr(state, RNG_METHODS[k][0])()
-        return capture(value, strategy, pending, path)
+        return capture(value, strategy, unsettled, path)
     if nest.is_container(state):
         keys, items = nest.children(state)
-        return nest.rebuild(state, keys, [capture(v, strategy, pending, path + (key,))
+        return nest.rebuild(state, keys, [capture(v, strategy, unsettled, path + (key,))
                                           for key, v in zip(keys, items)])
     return state
 
 
-def local_ids_for(value: Any, strategy: Any, api: str, name: str, hint: str) -> tuple[int, ...]:
+def local_ids_for(value: Any, strategy: Strategy, api: str, name: str, hint: str) -> tuple[int, ...]:
     """The strategy's local replica ids, one per value of ``value`` (a DistributedValues);
     a ValueError naming ``name`` when the counts differ (``value`` belongs to another strategy)."""
     local_ids = tuple(strategy.extended.local_replica_ids)
@@ -140,10 +141,10 @@ def local_ids_for(value: Any, strategy: Any, api: str, name: str, hint: str) -> 
     return local_ids
 
 
-def _per_replica(value: PerReplica, strategy: Any, pending: list[Pending], path: tuple) -> Pending:
+def _per_replica(value: PerReplica, strategy: Strategy, unsettled: list[Unsettled], path: tuple) -> Unsettled:
     name = where("state", path)
     local_ids_for(value, strategy, "cr.save", name, "the strategy whose run returned it")
-    nested: list[Pending] = []  # a PerReplica inside a PerReplica is one value per replica already
+    nested: list[Unsettled] = []  # a PerReplica inside a PerReplica is one value per replica already
     try:
         local = [capture(v, strategy, nested, path) for v in value.values]
     except ReplicaContextError:
@@ -156,8 +157,8 @@ def _per_replica(value: PerReplica, strategy: Any, pending: list[Pending], path:
     if nested:
         raise TypeError(f"cr.save: {name} is a PerReplica that holds PerReplica values; give one "
                         f"value per replica")
-    entry = Pending(name, local)
-    pending.append(entry)
+    entry = Unsettled(name, local)
+    unsettled.append(entry)
     return entry
 
 

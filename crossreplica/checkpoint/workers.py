@@ -1,7 +1,5 @@
 """Who writes a checkpoint, and how the workers agree on the outcome.
 
-Layer: strategies (layer 5), the checkpoint package; see docs/architecture.md.
-
 Across processes only the chief (rank 0, which holds replica 0) writes. Every
 worker first meets the others in the store (``Workers.meet``): a save or load
 called on some workers only (DDP's ``if master_process:``) fails there at once,
@@ -15,12 +13,15 @@ trust) to every worker, so the hosts need no shared file system.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ..reduce_op import ReduceOp
+
+if TYPE_CHECKING:
+    from ..strategies.base import Strategy
 
 __all__ = ["FAILED", "MISSING", "OK", "Workers", "cross_process", "share_from_chief"]
 
@@ -41,7 +42,7 @@ class Workers:
             self._meet(api)
 
 
-def cross_process(strategy: Any) -> Workers | None:
+def cross_process(strategy: Strategy) -> Workers | None:
     """How to reach the other workers, or None when everything is in this process.
 
     A multi-process strategy in scope (or passed) is used; outside any scope, an

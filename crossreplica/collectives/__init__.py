@@ -1,7 +1,7 @@
 """Cross-replica collectives, called inside a replica function (nests in, nests out).
 
-Layer 3 (see docs/architecture.md): the semantic layer over the engine
-contract; it never moves bytes itself. One concept per module:
+The semantic layer over the engine contract; it never moves bytes itself.
+One concept per module:
 
 * ``api.py``: the public collectives; validate once at the boundary, then call.
 * ``leaves.py``: nests, numbers and argument checks, canonicalised once.

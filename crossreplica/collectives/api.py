@@ -1,4 +1,4 @@
-"""Collectives layer: the public collectives, called inside a replica function.
+"""The public collectives, called inside a replica function.
 
 Each function validates its arguments here, locally, so a bad argument is a
 clear exception before any replica waits (naming the argument, the value and

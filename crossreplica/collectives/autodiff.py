@@ -1,4 +1,4 @@
-"""Collectives layer: a collective's forward (the engine call) and its derivative.
+"""A collective's forward (the engine call) and its derivative.
 
 Eagerly, a collective is one engine call (:func:`raw`); when autograd or a
 functorch transform (``torch.vmap``) needs to see it, it goes through

@@ -1,4 +1,4 @@
-"""Collectives layer: the collectives as ``torch.library`` custom operators, for torch.compile.
+"""The collectives as ``torch.library`` custom operators, for torch.compile.
 
 Under ``torch.compile`` a collective is a call of ``torch.ops.crossreplica.<kind>``
 (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``, ``broadcast``,

@@ -1,4 +1,4 @@
-"""Collectives layer: the arguments of a collective, validated and canonicalised once.
+"""The arguments of a collective, validated and canonicalised once.
 
 Nests in, nests out: a nest is flattened once (``None`` leaves pass through),
 its tensor leaves travel in one engine call, and the outputs are put back in
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .. import nest
+from ..context import ReplicaContext
 from ..errors import summarize
 
 __all__ = ["Leaves", "check_dim", "check_splits", "replica_index", "tensor_leaves"]
@@ -42,7 +43,7 @@ class Leaves:
         return nest.unflatten(self.spec, leaves)
 
 
-def tensor_leaves(x: Any, api: str, rctx: Any, sparse: bool = False) -> Leaves:
+def tensor_leaves(x: Any, api: str, rctx: ReplicaContext | None, sparse: bool = False) -> Leaves:
     """The nest ``x`` flattened, numbers turned into 0-d tensors on the device of the
     replica context ``rctx`` (None while torch.compile traces: the default device).
     Only a reduction (``sparse``) takes sparse tensors; other collectives reject them here."""

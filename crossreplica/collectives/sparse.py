@@ -1,4 +1,4 @@
-"""Collectives layer: all_reduce of sparse COO tensors, by gather (never densified).
+"""``all_reduce`` of sparse COO tensors, by gather (never densified).
 
 Each member's coalesced ``(indices, values)`` travel in one all_gather (sizes
 may differ between members), and every member reduces the parts in ascending

@@ -1,10 +1,10 @@
 """The fixed-tree sum of every replica's partial sums (:mod:`crossreplica.tree_sum`).
 
-Layer: collectives (layer 3). Replica ``r`` of ``R`` holds the contiguous summands
-``[r * k, (r + 1) * k)`` (``k = total / R``), already reduced to their canonical
-nodes. One ``all_gather`` brings every replica's nodes to every replica, which
-then adds them by the global tree: the same additions in the same order as one
-device holding all ``total`` summands, so the bits do not depend on ``R``. Every
+Replica ``r`` of ``R`` holds the contiguous summands ``[r * k, (r + 1) * k)``
+(``k = total / R``), already reduced to their canonical nodes. One
+``all_gather`` brings every replica's nodes to every replica, which then adds
+them by the global tree: the same additions in the same order as one device
+holding all ``total`` summands, so the bits do not depend on ``R``. Every
 replica computes the (identical) result itself, which spares a broadcast.
 
 The tree is elementwise, so for large buffers the work is sharded instead: an

@@ -1,4 +1,4 @@
-"""Engine layer: the only layer that moves bytes between replicas.
+"""The engines: the only code that moves bytes between replicas.
 
 Every engine implements :class:`~crossreplica.engines.base.Engine` and keeps
 its invariants; the layers above never know which one runs. ``base`` (the

@@ -1,4 +1,4 @@
-"""Engine layer: in-place all-reduces that in-process replicas start and finish apart.
+"""In-place all-reduces that in-process replicas start and finish apart.
 
 The optimizer starts a gradient bucket's all-reduce as soon as backward has
 produced it (``Engine.execute_async``). Met as an ordinary rendezvous round,
@@ -43,7 +43,9 @@ __all__ = ["AsyncRounds"]
 _CHUNK_BYTES = 1 << 20  # the unit of work one replica claims
 
 
-class _Round:
+class _AsyncRound:
+    """One round of asynchronous in-place all-reduces: every replica's deposit and the chunks of work."""
+
     __slots__ = ("calls", "tensors", "deposited", "chunks", "claimed", "done", "waited")
 
     def __init__(self, n: int):
@@ -64,7 +66,7 @@ class AsyncRounds:
         self._names = tuple(names)
         self._n = len(self._names)
         self._cond = threading.Condition(threading.Lock())
-        self._rounds: dict[int, _Round] = {}
+        self._rounds: dict[int, _AsyncRound] = {}
         self._started = [0] * self._n  # rounds each replica has started in this run
         rendezvous.listeners.append(self._wake_all)
 
@@ -90,7 +92,7 @@ class AsyncRounds:
             self._started[i] = k + 1
             r = self._rounds.get(k)
             if r is None:
-                r = self._rounds[k] = _Round(self._n)
+                r = self._rounds[k] = _AsyncRound(self._n)
             r.calls[i], r.tensors[i] = call, tensors
             r.deposited += 1
             complete = r.deposited == self._n
@@ -99,7 +101,7 @@ class AsyncRounds:
         self.progress()
         return Pending(lambda: self._wait(i, k, call, timeout))
 
-    def _complete(self, r: _Round) -> None:
+    def _complete(self, r: _AsyncRound) -> None:
         """The last deposit of a round: checks the calls agree and cuts the work into chunks."""
         calls = cast("list[Call]", r.calls)  # every replica has deposited
         first = calls[0]

@@ -1,4 +1,4 @@
-"""Engine layer: the contract every transport satisfies.
+"""The contract every transport satisfies.
 
 A collective reaches the engine as ``execute(replica_id, call, tensors)``:
 ``call`` describes the operation (kind, groups, parameters, and the shape and

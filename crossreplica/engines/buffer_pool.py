@@ -1,4 +1,4 @@
-"""Engine layer: reuse of large CPU output buffers between collectives.
+"""Reuse of large CPU output buffers between collectives.
 
 Fresh large allocations come straight from the OS and every page is faulted
 in on first write, which on virtual machines costs more than the all-reduce's

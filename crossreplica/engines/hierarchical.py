@@ -1,4 +1,4 @@
-"""Engine layer: the hierarchical engine; several replica threads per process, processes joined by torch.distributed.
+"""The hierarchical engine; several replica threads per process, processes joined by torch.distributed.
 
 A collective is two levels. First the worker's local replicas meet in-process
 on the same :class:`Rendezvous` the threads engine uses: the last to arrive is

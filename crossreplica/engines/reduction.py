@@ -1,4 +1,4 @@
-"""Engine layer: the reduction order every engine shares.
+"""The reduction order every engine shares.
 
 Invariant: a reduction of ``xs`` is ``((xs[0] op xs[1]) op xs[2]) op ...``,
 left to right, in the order the caller passes (engines pass ascending replica

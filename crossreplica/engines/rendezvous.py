@@ -1,4 +1,4 @@
-"""Engine layer: where in-process replicas meet; one barrier with a leader and a sticky error.
+"""Where in-process replicas meet; one barrier with a leader and a sticky error.
 
 Every collective, merge_call and phase barrier of the local replicas is one
 round of :meth:`Rendezvous.exchange`. Each participant deposits its call and
@@ -6,8 +6,8 @@ payload; the last to arrive becomes the leader, runs ``leader_fn`` on every
 deposit, and wakes the others, who read the leader's result. A participant
 waits on a lock of its own (the cheapest wake-up CPython offers), always with
 a timeout. The wake-up is a chain: the leader wakes one participant and each
-woken one the next, so the threads do not all contend for the GIL at once (at
-64 replicas on 2 cores that halved the time of a small all-reduce under load).
+woken one the next, so the threads do not all contend for the GIL at once
+(BENCHMARKS.md, "Latency at 64 replicas").
 
 Failures are sticky until the next run: a timeout, a mismatch between
 replicas, a replica that returned while others wait, or an abort after a

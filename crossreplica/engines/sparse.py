@@ -1,4 +1,4 @@
-"""Engine layer: the reduction arithmetic of sparse COO tensors, shared by every path.
+"""The reduction arithmetic of sparse COO tensors, shared by every path.
 
 A sparse reduction never densifies. Each replica's value is coalesced and
 travels as its ``(indices, values)`` pair (gathered by the caller, in any

@@ -1,4 +1,4 @@
-"""Engine layer: the in-process engine; replicas are threads, tensors move by memory copies.
+"""The in-process engine; replicas are threads, tensors move by memory copies.
 
 Each collective is one :class:`Rendezvous` round. The leader checks that every
 replica made the same call, then either computes every output itself (small

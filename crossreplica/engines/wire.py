@@ -1,4 +1,4 @@
-"""Engine layer: engine calls made in wire dtypes (see ``reduce_op.wire_dtype``).
+"""Engine calls made in wire dtypes (see ``reduce_op.wire_dtype``).
 
 float16 / bfloat16 / float8 reductions accumulate in float32 and round once;
 unsigned ints travel as signed ones. Every caller that hands tensors to an

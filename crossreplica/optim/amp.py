@@ -1,45 +1,26 @@
 """Mixed precision: ``torch.amp.GradScaler`` driving a CrossShardOptimizer.
 
-Layer: strategies (layer 5); see docs/architecture.md.
-
-The problem. GradScaler decides from the gradients it reads whether to skip
-``optimizer.step()`` and how to move its scale (its ``found_inf`` flags, which
-``scaler.update()`` consumes). Reading a replica's own, unreduced gradients, one
-replica may find an inf the others do not: it skips the step (and the
-reduction inside it) while the others reduce, and its scale halves while
-theirs grows.
-
-The design: the gradients are reduced *before* GradScaler reads them, so every
-replica of a group checks the same, bitwise identical, gradients and reaches
-the same verdict. Between backward and that read, torch gives the optimizer two
-moments:
+GradScaler decides from the gradients it reads whether to skip
+``optimizer.step()`` and how to move its scale. Reading a replica's own,
+unreduced gradients, one replica may find an inf the others do not: it skips
+the step (and the reduction inside it) while the others reduce, and its scale
+halves while theirs grows. So the gradients are reduced *before* GradScaler
+reads them, and every replica of a group reaches the same verdict on the same,
+bitwise identical, gradients. torch gives the optimizer two moments for that:
 
 * ``scaler.step(opt)`` first reads ``opt._step_supports_amp_scaling`` (torch's
-  contract for optimizers that unscale themselves, e.g. the fused Adam). On a
-  CrossShardOptimizer that attribute is a property that reduces the gradients
-  (what ``synchronize()`` does, unless it was called) and answers True.
-  GradScaler then checks the reduced gradients for infs (its flags are the
-  same on every replica, so scales and growth trackers stay equal) and always
-  calls ``opt.step()`` with ``opt.grad_scale`` and ``opt.found_inf`` set: step
-  skips on every replica together, or unscales the reduced gradients with
-  torch's own kernel (as ``scaler.unscale_`` does) and steps.
-* ``opt.synchronize()``, the moment CrossShardOptimizer already gives for
-  clipping: ``scaler.unscale_(opt)`` reads the gradients without asking the
-  optimizer anything, so the clipping recipe is ``synchronize``, ``unscale_``,
-  clip, ``step``, ``update``. With ``overlap=True`` the buckets are reduced by
-  the end of backward (as in DDP) and ``synchronize`` is optional. An
-  ``unscale_`` that read unreduced gradients is an error at ``scaler.step``,
-  never a silent divergence.
+  contract for optimizers that unscale themselves). On a CrossShardOptimizer
+  that property reduces the gradients (unless ``synchronize()`` did) and
+  answers True; GradScaler then checks the reduced gradients and always calls
+  ``opt.step()`` with ``opt.grad_scale`` and ``opt.found_inf`` set: step skips
+  on every replica together, or unscales with torch's own kernel and steps.
+* ``opt.synchronize()`` before ``scaler.unscale_(opt)`` (which asks the
+  optimizer nothing): the clipping recipe is ``synchronize``, ``unscale_``,
+  clip, ``step``, ``update``. An ``unscale_`` that read unreduced gradients is
+  an error at ``scaler.step``, never a silent divergence.
 
-Alternatives not taken. Reducing only inside ``step()`` leaves the scaler's
-flags local: GradScaler hands step a fresh sum of them (``opt.found_inf`` does
-not alias what ``update()`` reads) and no reference to itself (its
-``grad_scaler=`` keyword is deprecated, with a FutureWarning every step), so
-the scales would diverge and the next step would reduce gradients scaled by
-different factors. Reducing at the end of every backward (DDP's way) would
-change the contract for every user of the default, non-overlapped optimizer
-(``step(weight=)``, accumulation without ``no_sync``, closures), not only for
-mixed precision; ``overlap=True`` is that mode.
+The designs not taken (reducing only inside ``step()``, or at the end of every
+backward): docs/optimizers.md, "Mixed precision".
 """
 
 from __future__ import annotations

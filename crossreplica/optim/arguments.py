@@ -1,7 +1,4 @@
-"""Argument checks and loss conversions of CrossShardOptimizer.
-
-Layer: strategies (layer 5); see docs/architecture.md.
-"""
+"""Argument checks and loss conversions of CrossShardOptimizer."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """Guards against optimizer habits that train the replicas apart without an error.
 
-Layer: strategies (layer 5); see docs/architecture.md.
-
 Each guard turns a habit brought from single-process or DDP code into a
 ``ReplicasDivergeWarning`` (or an error) that names the cause and the fix:
 
@@ -27,15 +25,18 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import torch_private as tp
-from ..context import current_replica_context
+from ..context import ReplicaContext, current_replica_context
 from ..errors import ReplicasDivergeWarning
 from ..groups import group_of
+
+if TYPE_CHECKING:
+    from .optimizer import CrossShardOptimizer
 
 __all__ = ["GradientEdits", "check_owner", "exempt"]
 
@@ -104,7 +105,7 @@ class GradientEdits:
         """The gradients are reduced or cleared: nothing to compare until the next backward."""
         self._seen = None
 
-    def check(self, api: str, opt: Any, rctx: Any) -> None:
+    def check(self, api: str, opt: CrossShardOptimizer, rctx: ReplicaContext) -> None:
         """Warns (once) when the gradient recorded at the end of backward was edited since,
         unless this replica reduces alone (a group of one: the edit is plain torch's)."""
         seen, self._seen = self._seen, None
@@ -134,7 +135,7 @@ def _hook(ref: weakref.ref) -> Any:
     return hook
 
 
-def check_owner(opt: Any, rctx: Any) -> None:
+def check_owner(opt: CrossShardOptimizer, rctx: ReplicaContext) -> None:
     """One optimizer per replica: sharing one would race on the same gradients."""
     owner = (id(rctx.engine), rctx.replica_id_in_sync_group)
     if opt._owner is None or opt._owner[0] != owner[0]:

@@ -1,9 +1,9 @@
 """CrossShardOptimizer in the layout-invariant mode (:mod:`crossreplica.micro_batches`).
 
-Layer: strategies (layer 5). A step in a micro-batch other than the replica's
-last only folds the micro-batch's gradients into the replica's tree sums and
-clears them; the last one folds its own, then sums every replica's partial sums
-by the fixed tree over micro-batch indices (:func:`crossreplica.collectives.tree.tree_all_sum`),
+A step in a micro-batch other than the replica's last only folds the
+micro-batch's gradients into the replica's tree sums and clears them; the last
+one folds its own, then sums every replica's partial sums by the fixed tree over
+micro-batch indices (:func:`crossreplica.collectives.tree.tree_all_sum`),
 divides (mean) and steps the wrapped optimizer on the result, the same bits on
 one device as on any number of replicas.
 """

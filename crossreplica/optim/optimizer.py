@@ -1,7 +1,5 @@
 """CrossShardOptimizer: keeps replicas in sync by reducing gradients before each step
 (the design is described in the package docstring, :mod:`crossreplica.optim`).
-
-Layer: strategies (layer 5); see docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ import torch
 
 from .. import torch_private as tp
 from ..arguments import check_int
-from ..context import get_strategy, has_strategy, require_replica_context
+from ..context import ReplicaContext, get_strategy, has_strategy, require_replica_context
 from ..cross_device_ops import CommunicationOptions
 from ..errors import summarize
 from ..groups import Groups, group_of, resolve_groups
@@ -384,7 +382,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
             if overlapped is not None:
                 overlapped.reduced.clear()
 
-    def _reduce_rest(self, rctx: Any, weight: Any, loss: Any) -> Any:
+    def _reduce_rest(self, rctx: ReplicaContext, weight: Any, loss: Any) -> Any:
         """The fused reduction of every gradient the overlapped buckets did not reduce."""
         rid = rctx.replica_id_in_sync_group
         groups = self._groups(rctx.num_replicas_in_sync)

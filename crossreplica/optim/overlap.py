@@ -1,41 +1,33 @@
 """Overlapped gradient reduction: buckets reduced during backward, as DDP does.
 
-Design. The parameters (each once, in registration order) are cut into
-buckets in *reverse* order, since backward produces the last layers' gradients
-first; a bucket holds one (device, dtype) and at most ``bucket_bytes``; a
-parameter larger than that, or than the engine's ``own_bucket_bytes``, is a
-bucket of its own (the layout is cut again for the engine at the first
-backward, before any bucket starts). A
-``register_post_accumulate_grad_hook`` on every parameter counts the final
-gradients of its bucket; when the bucket is complete, and every bucket before
-it has started (so every replica starts the same calls in the same order), the
-gradients are copied into the bucket's persistent flat buffer and an in-place
-all-reduce of it starts through ``Engine.execute_async``; the buffer is the
-engine's ``shared_buffer`` where it has one (processes of one host: shared
-memory, ``engines/torch_dist/shared_memory.py``). At the end of the
-backward pass (an autograd-engine callback queued by the first hook) every
-started bucket is waited for and each ``.grad`` becomes its view of the bucket's
-buffer (no copy back), so a later backward accumulates onto finished values
-(in place, into the buffer) and ``zero_grad`` drops them; those parameters are
-marked reduced: the optimizer's ``step()`` reduces only the rest (parameters
-whose bucket never completed, sparse gradients) with the ordinary fused path.
+The parameters (each once, in registration order) are cut into buckets in
+*reverse* order, since backward produces the last layers' gradients first; a
+bucket holds one (device, dtype) and at most ``bucket_bytes``; a parameter
+larger than that, or than the engine's ``own_bucket_bytes``, is a bucket of its
+own (the layout is cut again for the engine at the first backward, before any
+bucket starts). A ``register_post_accumulate_grad_hook`` on every parameter counts the
+final gradients of its bucket; when the bucket is complete, and every bucket
+before it has started (so every replica starts the same calls in the same
+order), the gradients are copied into the bucket's persistent flat buffer (the
+engine's ``shared_buffer`` where it has one) and an in-place all-reduce of it
+starts through ``Engine.execute_async``. At the end of the backward pass (an
+autograd-engine callback queued by the first hook) every started bucket is
+waited for and each ``.grad`` becomes its view of the bucket's buffer (no copy
+back: a later backward accumulates onto it in place, ``zero_grad`` drops it);
+those parameters are marked reduced, and the optimizer's ``step()`` reduces
+only the rest with the ordinary fused path.
 
 The reduction is the same elementwise in-place all-reduce of a flat buffer as
 the fused path's packs, so the gradients are bitwise the same. Gradient
 accumulation: inside :meth:`no_sync` the hooks do nothing and the next backward
 outside it reduces the accumulated sums (as DDP's ``no_sync``); without it,
-every backward reduces, which is still the mean of the sums (the reduction is
-linear and the earlier results are identical on every replica), up to rounding.
+every backward reduces, which is still the mean of the sums, up to rounding.
 
-What overlaps depends on the engine: across processes (torch_dist, one
-replica per worker) a bucket is async backend work and backward goes on while
-it travels, or, between workers of one host, a shared-memory round whose
-slices each worker reduces when it comes by; with several replicas per worker
-(the hierarchical engine) the local replicas meet and their leader starts one
-async all-gather for the worker; in-process replicas (the threads engine)
-deposit a bucket and go on, and whoever comes by next reduces its chunks
-(``engines/async_rounds.py``). None needs a communication thread: on 2 cores
-both are busy with backward anyway; see BENCHMARKS.md.
+What overlaps is the engine's ``execute_async`` (async backend work across
+processes, a shared-memory round between workers of one host, one async
+all-gather per worker for the hierarchical engine, deposited rounds for
+in-process replicas: ``engines/async_rounds.py``); none needs a communication
+thread (BENCHMARKS.md, "Training step: 2 in-process replicas vs one process").
 """
 
 from __future__ import annotations
@@ -43,17 +35,20 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import torch_private as tp
 from ..context import current_replica_context
-from ..engines.base import INPLACE, Call, Kind, Pending
+from ..engines.base import INPLACE, Call, Engine, Kind, Pending
 from ..engines.wire import start_on_wire
 from ..groups import Groups, group_of
 from ..reduce_op import ReduceOp
 from .routing import on_engine
+
+if TYPE_CHECKING:
+    from ..cross_device_ops import CommunicationOptions
 
 __all__ = ["OverlappedReduction"]
 
@@ -77,7 +72,7 @@ class OverlappedReduction:
     """The buckets and hooks of one CrossShardOptimizer; see the module docstring."""
 
     def __init__(self, params: list[torch.Tensor], bucket_bytes: int, op: ReduceOp,
-                 groups_of: Any, options: Any = None):
+                 groups_of: Any, options: CommunicationOptions | None = None):
         self.op = ReduceOp.MEAN if op is ReduceOp.MEAN else ReduceOp.SUM
         self._groups_of = groups_of  # num_replicas -> Groups (the optimizer's cache)
         self._options = options  # the optimizer's CommunicationOptions (routing.py)
@@ -174,7 +169,7 @@ class OverlappedReduction:
             self._start(b, rctx.engine, rid, groups)
             self._next += 1
 
-    def _start(self, bucket: _Bucket, engine: Any, rid: int, groups: Groups) -> None:
+    def _start(self, bucket: _Bucket, engine: Engine, rid: int, groups: Groups) -> None:
         if bucket.shared is None:  # every replica asks in the same order: bucket order
             first = bucket.params[0]
             buf = engine.shared_buffer(sum(p.numel() for p in bucket.params), first.dtype, first.device)

@@ -9,13 +9,11 @@ subclass) or a timeout, the overlap hooks leave the gradients alone and
 ``step()`` hands the same packs to ``cross_device_ops.replica_all_reduce`` (one
 merge_call), copying the results back in place. A ``group_assignment`` other
 than every replica is the TPU-style ``cross_replica_sum``: always the engine.
-
-Layer: strategies (layer 5); see docs/architecture.md.
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -27,10 +25,13 @@ from ..engines.wire import execute_on_wire
 from ..groups import Groups
 from ..reduce_op import ReduceOp
 
+if TYPE_CHECKING:
+    from ..cross_device_ops import CommunicationOptions
+
 __all__ = ["all_reduce_buffers", "on_engine", "reduce_sparse_grads"]
 
 
-def on_engine(rctx: ReplicaContext, groups: Groups, options: Any) -> bool:
+def on_engine(rctx: ReplicaContext, groups: Groups, options: CommunicationOptions | None) -> bool:
     """Whether the gradients of this replica's group go straight to the engine."""
     if len(groups) > 1:
         return True
@@ -40,7 +41,7 @@ def on_engine(rctx: ReplicaContext, groups: Groups, options: Any) -> bool:
 
 
 def all_reduce_buffers(rctx: ReplicaContext, groups: Groups, op: ReduceOp, buffers: list[torch.Tensor],
-                       options: Any) -> list[torch.Tensor]:
+                       options: CommunicationOptions | None) -> list[torch.Tensor]:
     """Reduces ``buffers`` (this replica's own) in place over its group; returns them."""
     if on_engine(rctx, groups, options):
         call = Call.of(Kind.ALL_REDUCE, groups, (op, INPLACE), buffers)

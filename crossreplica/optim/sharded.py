@@ -24,13 +24,10 @@ process, parameters on the CPU) the gradients arrive already all-reduced, and
 the flat buffers would only add copies: each member's shard optimizer steps
 views of its own parameters' slices in ``[j*c, (j+1)*c)`` (with views of the
 reduced gradients), then, between two barriers, each member copies the other
-members' updated slices from their parameters. That moves about 37 MB per step
-on the MLP of benchmarks/training_step.py where the replicated update moves 59
-and the flat path 81, and halves the working set the replicas' simultaneous
-updates share. ``state_dict`` gathers the members' slices through a meeting of
+members' updated slices from their parameters (less memory traffic than the
+replicated update or the flat path: BENCHMARKS.md, "Training step: 2 in-process
+replicas vs one process"). ``state_dict`` gathers the members' slices through a meeting of
 the replica threads, in the same unsharded format.
-
-Layer: strategies (layer 5); see docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -39,7 +36,8 @@ from typing import Any
 
 import torch
 
-from ..engines.base import BARRIER, MERGE_CALL, Call, Kind
+from ..context import ReplicaContext
+from ..engines.base import BARRIER, MERGE_CALL, Call, Engine, Kind
 from ..engines.threads import ThreadsEngine
 from ..engines.wire import execute_on_wire
 from ..groups import Groups, group_of
@@ -138,7 +136,8 @@ class ShardedUpdate:
             raise RuntimeError("the sharded update has no shard optimizer yet; it is set up on the first step")
         return self.inner
 
-    def step(self, rctx: Any, groups: Groups, op: ReduceOp, reduced: bool = False, in_place: bool = False) -> None:
+    def step(self, rctx: ReplicaContext, groups: Groups, op: ReduceOp, reduced: bool = False,
+             in_place: bool = False) -> None:
         """One sharded update; ``reduced``: the gradients are already all-reduced
         (``synchronize()``, or overlap), so this replica's shard is its slice of them;
         ``in_place``: every step comes reduced (overlap), so the in-process form may serve."""
@@ -189,7 +188,7 @@ class ShardedUpdate:
 
     # ------------------------------------------------------------ in-process form
 
-    def _view_setup(self, rctx: Any, groups: Groups) -> _Views:
+    def _view_setup(self, rctx: ReplicaContext, groups: Groups) -> _Views:
         rid, engine = rctx.replica_id_in_sync_group, rctx.engine
         if self.views is not None and self.views.groups == groups:
             return self.views
@@ -207,7 +206,7 @@ class ShardedUpdate:
             self._load(state)
         return views
 
-    def _view_step(self, rctx: Any, groups: Groups) -> None:
+    def _view_step(self, rctx: ReplicaContext, groups: Groups) -> None:
         """Steps this member's slices of its own parameters, then copies the others' slices."""
         views = self._view_setup(rctx, groups)
         inner = self._inner()
@@ -253,7 +252,7 @@ class ShardedUpdate:
             inner.param_groups[i]["params"] = fresh
         views.ptrs = _data_ptrs(self.optimizer.param_groups)
 
-    def _view_state_dict(self, rctx: Any, groups: Groups) -> dict[str, Any]:
+    def _view_state_dict(self, rctx: ReplicaContext, groups: Groups) -> dict[str, Any]:
         """The unsharded state dict from every member's slices (a meeting of the replica threads)."""
         views = self._view_setup(rctx, groups)
         inner = self._inner()
@@ -282,7 +281,7 @@ class ShardedUpdate:
 
     # ------------------------------------------------------------ state
 
-    def state_dict(self, rctx: Any, groups: Groups) -> dict[str, Any]:
+    def state_dict(self, rctx: ReplicaContext, groups: Groups) -> dict[str, Any]:
         """The unsharded state dict (a collective: every replica of the group calls it)."""
         if self.views is not None:
             return self._view_state_dict(rctx, groups)
@@ -378,7 +377,7 @@ def _every(calls: list[Any], objs: list[tuple[int, Any]]) -> dict[int, Any]:
     return dict(objs)
 
 
-def _one_process(engine: Any, groups: Groups, rid: int, param_groups: list[dict]) -> bool:
+def _one_process(engine: Engine, groups: Groups, rid: int, param_groups: list[dict]) -> bool:
     """Whether every member of ``rid``'s group is a replica thread of this process (the
     threads engine) and every parameter a contiguous CPU tensor: the in-process form."""
     return (isinstance(engine, ThreadsEngine) and set(group_of(groups, rid)) <= set(engine.local_replica_ids)

@@ -1,7 +1,4 @@
-"""Distribution strategies: where replicas run and how they talk.
-
-Layer: strategies (layer 5); see docs/architecture.md.
-"""
+"""Distribution strategies: where replicas run and how they talk."""
 
 from .base import Strategy, StrategyExtended
 from .mirrored import MirroredStrategy

@@ -1,11 +1,11 @@
 """Strategy: what every strategy offers (scope, run, reduce, gather, local results, mirror, input).
 
-Layer: strategies. A strategy owns a list of local devices (one replica each)
-and its :class:`~crossreplica.strategies.extended.StrategyExtended`, which
-holds the engine. ``run`` calls the replica function once per local replica
-with each replica's part of the arguments (``select_replica``) and regroups
-the results. Engine-specific behaviour is confined to the engine and to the
-extended object's cross-replica hooks, which multi-process strategies extend.
+A strategy owns a list of local devices (one replica each) and its
+:class:`~crossreplica.strategies.extended.StrategyExtended`, which holds the
+engine. ``run`` calls the replica function once per local replica with each
+replica's part of the arguments (``select_replica``) and regroups the results.
+Engine-specific behaviour is confined to the engine and to the extended object's
+cross-replica hooks, which multi-process strategies extend.
 """
 
 from __future__ import annotations

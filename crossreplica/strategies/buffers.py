@@ -1,7 +1,5 @@
 """Mirrored buffers: the copies of a mirrored module's buffers agree after every run.
 
-Layer: strategies (layer 5); see docs/architecture.md.
-
 Parameters of mirrored copies stay identical because every replica applies the
 same reduced gradient to the same values. Buffers have no gradient: a
 ``torch.nn.BatchNorm`` updates its running statistics from its own replica's
@@ -14,28 +12,19 @@ replica 0's copy) silently drops what the others saw.
 * ``"broadcast"`` (the default; DDP's choice): replica 0's buffers are copied
   to every replica.
 * ``"mean"``: floating-point buffers are averaged over the replicas (the
-  engine's all-reduce MEAN: the sum in replica order divided by their number,
-  the same bytes on every engine); other buffers (``num_batches_tracked``)
-  take replica 0's values.
+  engine's all-reduce MEAN, the same bytes on every engine); other buffers
+  (``num_batches_tracked``) take replica 0's values.
 * ``None``: no sync. A run after which the local copies' buffers differ warns
   once per module (only copies in the same process can be compared).
 
-The sync ends every run, after the replica functions returned (DDP
-broadcasts before each forward instead): so when ``run`` returns every copy
-holds the same bytes, and what the caller reads or saves is what every replica
-holds. When some replicas run in other processes, each replica syncs inside
-its body with the engine's collectives: one broadcast for every buffer of the
-policy (one flat tensor per device and dtype), and for ``"mean"`` one
-all-reduce of the floating ones. When every replica runs in this process the
-caller's thread does the same arithmetic once they all returned (the engine's
-reduction, in replica order: the same bytes), which spares the replicas a
-rendezvous.
-
-Which modules are synced is decided the same way on every replica: a module
-whose copy has any submodule in training mode after the replica function
-returns (torch's modules change their buffers only in training). A module in
-eval mode costs nothing, and neither does a ``cr.nn.SyncBatchNorm`` over every
-replica (its statistics come from one all-reduce, so they already agree).
+The sync ends every run, after the replica functions returned, so when ``run``
+returns every copy holds the same bytes. With replicas in other processes each
+replica syncs inside its body with the engine's collectives (one flat tensor
+per device and dtype); with every replica in this process the caller's thread
+does the same arithmetic once they all returned, which spares a rendezvous.
+A module is synced when its copy has any submodule in training mode after the
+replica function returns (decided the same way on every replica); a module in
+eval mode, or a ``cr.nn.SyncBatchNorm`` over every replica, costs nothing.
 """
 
 from __future__ import annotations

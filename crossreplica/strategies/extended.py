@@ -1,11 +1,11 @@
 """StrategyExtended: a strategy's machinery (devices, engine, replica threads, merge_call).
 
-Layer: strategies. ``run_replicas`` runs the replica function once
-per local replica, in a thread per replica when there are several, under a
-fresh ``run_token``; the cross-replica hooks (:meth:`StrategyExtended.reduce_values`,
+``run_replicas`` runs the replica function once per local replica, in a thread
+per replica when there are several, under a fresh ``run_token``; the
+cross-replica hooks (:meth:`StrategyExtended.reduce_values`,
 :meth:`StrategyExtended.gather_values`, ...) are where multi-process strategies
-extend it. It satisfies the context layer's ``ReplicaHost`` and the
-cross-device ops' ``Reducer`` interfaces.
+extend it. It satisfies the context layer's ``ReplicaHost`` and the cross-device
+ops' ``Reducer`` interfaces.
 """
 
 from __future__ import annotations

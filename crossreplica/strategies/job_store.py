@@ -1,8 +1,6 @@
 """Where the workers of one job meet: the store prefix their secret and this start of the
 job give, and the arrival check before the process group forms.
 
-Layer: strategies (layer 5); see docs/architecture.md.
-
 The store (rank 0's, or torchrun's agent's) has no authentication, so every key
 crossreplica writes lives under a prefix derived from a job secret
 (:func:`job_namespace`). Workers given different secrets never meet: each waits

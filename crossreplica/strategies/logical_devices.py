@@ -25,8 +25,6 @@ so the split and replicate calls return the pieces themselves, each on its
 device. Every move is a ``Tensor.to`` / ``chunk``, so gradients flow
 back to ``t``. On the CPU every logical device is the CPU and only the
 bookkeeping differs.
-
-Layer: strategies (layer 5); see docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -42,6 +40,9 @@ import torch
 from .. import context
 from ..arguments import check_int
 from ..errors import ReplicaContextError, summarize
+
+if TYPE_CHECKING:
+    from .extended import StrategyExtended
 
 __all__ = ["LogicalDeviceExtended", "LogicalDeviceMethods", "group_devices", "join_logical_tiles"]
 
@@ -152,7 +153,7 @@ class LogicalDeviceExtended:
 class LogicalDeviceMethods:
     """The strategy side: placing tensors on a replica's logical devices."""
 
-    extended: Any
+    extended: StrategyExtended
 
     def experimental_assign_to_logical_device(self, tensor: torch.Tensor, logical_device_id: int) -> torch.Tensor:
         """``tensor`` on logical device ``logical_device_id`` of the current replica

@@ -1,8 +1,8 @@
 """The replica side of the layout-invariant mode: one call of the replica function per micro-batch.
 
-Layer: strategies (layer 5); the rules are :mod:`crossreplica.micro_batches`.
-Replica ``r`` of ``R`` runs micro-batches ``[r * k, (r + 1) * k)`` (``k = M / R``) of
-each global batch in order. For micro-batch ``m`` it
+The rules are :mod:`crossreplica.micro_batches`. Replica ``r`` of ``R`` runs
+micro-batches ``[r * k, (r + 1) * k)`` (``k = M / R``) of each global batch in
+order. For micro-batch ``m`` it
 
 * cuts the replica's rows of every PerReplica argument (tensors along dim 0,
   per-row lists) to the micro-batch's rows; other arguments reach every call whole;

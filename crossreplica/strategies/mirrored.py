@@ -1,7 +1,4 @@
-"""MirroredStrategy: N replicas in this process, one thread per replica.
-
-Layer: strategies (layer 5); see docs/architecture.md.
-"""
+"""MirroredStrategy: N replicas in this process, one thread per replica."""
 
 from __future__ import annotations
 

@@ -11,8 +11,6 @@ tf semantics: ``run`` returns the LOCAL replicas' results (a PerReplica of
 ``replicas_per_worker`` values); ``merge_call`` runs ``merge_fn`` once per
 worker on its local replicas; ``reduce`` / ``gather`` in cross-replica context
 cover every replica of every worker (the hooks below).
-
-Layer: strategies (layer 5); see docs/architecture.md.
 """
 
 from __future__ import annotations

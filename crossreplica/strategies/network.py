@@ -1,8 +1,6 @@
 """The network side of forming the process group: which interface gloo uses, and a bound on
 the set-up itself.
 
-Layer: strategies (layer 5); see docs/architecture.md.
-
 gloo advertises the address its host name resolves to. With Debian's default
 ``/etc/hosts`` (the host's own name -> 127.0.1.1) that is a loopback address,
 which a peer on another host cannot reach: the peer fails with "Connection

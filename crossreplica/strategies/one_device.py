@@ -1,7 +1,4 @@
-"""OneDeviceStrategy: the replica function runs once, in the calling thread.
-
-Layer: strategies (layer 5); see docs/architecture.md.
-"""
+"""OneDeviceStrategy: the replica function runs once, in the calling thread."""
 
 from __future__ import annotations
 

@@ -16,8 +16,6 @@ Lifetime (what keeps exit clean and failures leak-free):
   an ``atexit`` hook. A daemon thread that still runs when the interpreter
   finalizes is killed where it stands; inside libtorch that is
   ``std::terminate`` (exit code 134), so no replica thread may be left awake.
-
-Layer: strategies (layer 5); see docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """Multi-step loops: several training steps per dispatch (TPU ``steps_per_run``).
 
-Layer: strategies (layer 5); see docs/architecture.md.
-
 ``strategy.extended.experimental_run_steps_on_iterator(fn, iterator, iterations)``
 follows TF: ``fn(ctx, inputs)`` runs ``iterations`` times in cross-replica
 context, once per element of ``iterator``, and records what the caller wants
@@ -88,7 +86,7 @@ class MultiStepContext:
                 f"'mean') to combine the replicas' values; without one, return the value from the "
                 f"replica function and set it in cross-replica context")
 
-        def merge_fn(strategy: Any, value: Any) -> None:
+        def merge_fn(strategy: Strategy, value: Any) -> None:
             # Set once, in merge_fn: every replica shares this context object.
             self._last_step_outputs[name] = strategy.reduce(op, value, axis=None)
             self._last_step_outputs_reduce_ops[name] = op
@@ -105,7 +103,7 @@ class MultiStepContext:
             self._non_tensor_outputs[name] = output
             return
 
-        def merge_fn(strategy: Any, value: Any) -> None:
+        def merge_fn(strategy: Strategy, value: Any) -> None:
             self._non_tensor_outputs[name] = strategy.experimental_local_results(value)
 
         rctx.merge_call(merge_fn, args=(output,))

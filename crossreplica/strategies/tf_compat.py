@@ -20,8 +20,6 @@ code runs on one device, on threads and across workers:
   distinct copy per destination value, never shared between replicas.
 * ``check_gather_shapes``: ``strategy.gather`` names the shapes that do not fit,
   across workers too.
-
-Layer: strategies (layer 5); see docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -42,6 +40,7 @@ from ..variables import Variable
 
 if TYPE_CHECKING:
     from ..cross_device_ops import CrossDeviceOps
+    from .extended import StrategyExtended
 
 __all__ = ["TFCompatExtended", "TFCompatMethods", "broadcast_to", "check_gather_shapes"]
 
@@ -224,7 +223,7 @@ def broadcast_to(ops: "CrossDeviceOps", value: Any, destinations: Any) -> Any:
     return ops.broadcast(value, destinations)
 
 
-def check_gather_shapes(ext: Any, tensors: Sequence[torch.Tensor], axis: int) -> None:
+def check_gather_shapes(ext: StrategyExtended, tensors: Sequence[torch.Tensor], axis: int) -> None:
     """Raises ValueError, on every worker alike, when the replicas' values (``tensors``: the
     local ones) differ in rank or in a dimension other than ``axis``; across workers the
     shapes travel first (two small gathers)."""

@@ -35,12 +35,12 @@ Workers are started by torch's elastic launcher with torchrun's environment
 nothing in crossreplica imports it, and ``import crossreplica`` does not load it
 (it registers an exit hook and loads torch's launcher, which programs that never
 test should not pay for).
-
-Layer: the face (layer 6): nothing in the library imports it; see docs/architecture.md.
 """
 
+import warnings
+
 from crossreplica.testing.pool import (
-    DEFAULT_TIMEOUT,
+    DEFAULT_TEST_TIMEOUT,
     Outcome,
     WorkerPool,
     free_port,
@@ -60,7 +60,7 @@ from crossreplica.testing.runner import (
 )
 
 __all__ = [
-    "DEFAULT_TIMEOUT",
+    "DEFAULT_TEST_TIMEOUT",
     "ENGINES",
     "Outcome",
     "RemoteReplicaError",
@@ -74,3 +74,13 @@ __all__ = [
     "run_workers",
     "shutdown",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``DEFAULT_TIMEOUT``, the old name of :data:`DEFAULT_TEST_TIMEOUT`, with a DeprecationWarning
+    (renamed: the library's default collective timeout is another value, 300 s)."""
+    if name == "DEFAULT_TIMEOUT":
+        warnings.warn("crossreplica.testing.DEFAULT_TIMEOUT is deprecated: use DEFAULT_TEST_TIMEOUT",
+                      DeprecationWarning, stacklevel=2)
+        return DEFAULT_TEST_TIMEOUT
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,25 +4,17 @@ A :class:`WorkerPool` starts ``num_workers`` processes through torch's elastic
 launcher (``torch.distributed.elastic.multiprocessing.start_processes``), each
 with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 GROUP_RANK, ROLE_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT an OS-chosen free
-port, and this process's ``CROSSREPLICA_*`` settings, as torchrun passes its
-environment on) and its stdout/stderr in the launcher's log files; with
-``log_level`` each worker logs crossreplica's records to its stderr
-(:meth:`WorkerPool.logs` shows them). Each worker builds
+port, and this process's ``CROSSREPLICA_*`` settings) and its stdout/stderr in
+the launcher's log files; with ``log_level`` each worker logs crossreplica's
+records to its stderr (:meth:`WorkerPool.logs` shows them). Each worker builds
 ``cr.MultiWorkerMirroredStrategy(replicas_per_worker)`` once and then runs jobs
 sent down its pipe (:mod:`crossreplica.testing.worker`).
 
-Why a pool and not one launch per call: importing torch and setting up a process
-group costs seconds, a test suite makes hundreds of calls. torch's launcher
-starts processes and supervises them until they exit, but has no way to hand a
-running worker another function. So the pool keeps the launcher for what it
-does (start, environment, logs, exit codes, kill) and adds a pipe per worker for
-the jobs. Each worker is launched by its own ``start_processes`` call: the
-launcher gives every process the argument tuples of all ranks, and a worker
-holding another's pipe would keep that pipe open after its owner died. Workers
-are forked from the ``forkserver`` with torch and crossreplica preloaded, so a
-(re)start costs a fork and a process-group set-up, not an import of torch. The
-forkserver and its preload list are process-wide: the pool sets the list before
-the forkserver's first use and never stops it (it exits with this process).
+A pool, not one launch per call, because importing torch and setting up a
+process group costs seconds and a suite makes hundreds of calls; the launcher
+keeps what it does (start, environment, logs, exit codes, kill) and a pipe per
+worker carries the jobs (why one ``start_processes`` call per worker, and the
+forkserver: docs/architecture.md, "testing/pool.py").
 
 Invariants:
 
@@ -34,8 +26,6 @@ Invariants:
 * :meth:`WorkerPool.close` kills each worker's process group and reaps it;
   ``shutdown_pools`` (also run at interpreter exit) closes every persistent pool,
   so no worker outlives the program. The forkserver exits with the program.
-
-Layer: the face (layer 6); see docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -71,7 +61,9 @@ from crossreplica.testing.worker import check_device_type, function_spec, serve
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-DEFAULT_TIMEOUT = 30.0
+#: The collective timeout of a test job, in seconds (short, so a broken test fails fast; the
+#: library's own default is ``CROSSREPLICA_TIMEOUT``, 300 s).
+DEFAULT_TEST_TIMEOUT = 30.0
 START_LIMIT = 60.0  # seconds for a pool to start: fork, process-group set-up, strategy
 _PRELOAD = ["torch", "crossreplica", "crossreplica.testing.worker"]
 _LAUNCHER_LOG = logging.getLogger(PContext.__module__)
@@ -179,7 +171,7 @@ class WorkerPool:
     """
 
     def __init__(self, num_workers: int, replicas_per_worker: int = 1, *,
-                 timeout_seconds: float = DEFAULT_TIMEOUT, check_collectives: bool = False,
+                 timeout_seconds: float = DEFAULT_TEST_TIMEOUT, check_collectives: bool = False,
                  log_level: int | str | None = None, device: str = "cpu"):
         for name, value in (("num_workers", num_workers), ("replicas_per_worker", replicas_per_worker)):
             if not isinstance(value, int) or value < 1:

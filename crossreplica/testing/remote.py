@@ -8,8 +8,6 @@ over the workers it released (``ReplicaAborted``), then the lowest rank; it is
 rebuilt with its original type (a ``ReplicaError`` that is also an instance of
 the user's exception type, as ``strategy.run`` raises in-process), or becomes a
 :class:`RemoteReplicaError` carrying the text when it cannot be unpickled here.
-
-Layer: the face (layer 6); see docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -16,8 +16,6 @@ a list in replica-id order. If a replica raised, its exception is raised here
   :func:`shutdown` closes them all; it also runs at interpreter exit.
 
 :func:`launch` and :func:`run_workers` run one job on fresh workers instead.
-
-Layer: the face (layer 6); see docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ from typing import Any, NoReturn
 
 import crossreplica as cr
 from crossreplica.testing.pool import (
-    DEFAULT_TIMEOUT,
+    DEFAULT_TEST_TIMEOUT,
     Outcome,
     WorkerPool,
     check_per_replica_args,
@@ -74,7 +72,7 @@ def _num_replicas(num_replicas: int | None, per_replica_args: Sequence[Sequence[
 
 def run_replicas(fn: Callable[..., Any], *per_replica_args: Sequence[Any], num_replicas: int | None = None,
                  engine: str = "threads", replicas_per_worker: int | None = None,
-                 timeout_seconds: float = DEFAULT_TIMEOUT, check_collectives: bool = False,
+                 timeout_seconds: float = DEFAULT_TEST_TIMEOUT, check_collectives: bool = False,
                  device: str = "cpu") -> list[Any]:
     """Per-replica results of ``fn`` on ``num_replicas`` replicas of ``engine``.
 
@@ -107,7 +105,7 @@ def run_replicas(fn: Callable[..., Any], *per_replica_args: Sequence[Any], num_r
 
 def launch(fn: Callable[..., Any], *per_replica_args: Sequence[Any], num_replicas: int | None = None,
            replicas_per_worker: int | None = None, mode: str = "replica",
-           timeout_seconds: float = DEFAULT_TIMEOUT, check_collectives: bool = False,
+           timeout_seconds: float = DEFAULT_TEST_TIMEOUT, check_collectives: bool = False,
            device: str = "cpu") -> Outcome:
     """Runs one job on fresh worker processes and reports every worker's outcome; never
     raises for a worker's failure. For tests of failure behaviour: nothing kills the
@@ -123,7 +121,7 @@ def launch(fn: Callable[..., Any], *per_replica_args: Sequence[Any], num_replica
 
 
 def run_workers(main: Callable[..., Any], num_workers: int, replicas_per_worker: int = 1, *,
-                args: Sequence[Any] = (), timeout_seconds: float = DEFAULT_TIMEOUT,
+                args: Sequence[Any] = (), timeout_seconds: float = DEFAULT_TEST_TIMEOUT,
                 check_collectives: bool = False, device: str = "cpu") -> list[Any]:
     """Per-worker results of ``main(strategy, *args)``, run once per worker in cross-replica
     context on fresh worker processes (it may leave its worker in any state); ``args``
@@ -141,7 +139,7 @@ def run_workers(main: Callable[..., Any], num_workers: int, replicas_per_worker:
 _pools: dict[tuple[int, int, float, bool, str], WorkerPool] = {}
 
 
-def pooled(num_workers: int, replicas_per_worker: int, timeout_seconds: float = DEFAULT_TIMEOUT,
+def pooled(num_workers: int, replicas_per_worker: int, timeout_seconds: float = DEFAULT_TEST_TIMEOUT,
            check_collectives: bool = False, device: str = "cpu") -> WorkerPool:
     """The running pool of this layout and options, started on first use or after a failure."""
     key = (num_workers, replicas_per_worker, float(timeout_seconds), bool(check_collectives), device)
@@ -158,7 +156,7 @@ def pooled(num_workers: int, replicas_per_worker: int, timeout_seconds: float = 
 
 
 def run_pooled(fn: Callable[..., Any], num_replicas: int, per_replica_args: Sequence[Sequence[Any]],
-               replicas_per_worker: int | None = None, timeout_seconds: float = DEFAULT_TIMEOUT,
+               replicas_per_worker: int | None = None, timeout_seconds: float = DEFAULT_TEST_TIMEOUT,
                check_collectives: bool = False, device: str = "cpu") -> list[Any]:
     """Per-replica results of ``fn`` on a persistent pool; a failed job's exception is raised here."""
     workers, rpw = resolve_layout(num_replicas, replicas_per_worker)

@@ -16,8 +16,6 @@ A job that raises is answered with a :class:`~crossreplica.testing.remote.Worker
 and the worker keeps serving; the pool decides whether to trust it again.
 ``fn`` travels by module, qualified name and file; arguments and results as
 pickles (never shared memory).
-
-Layer: the face (layer 6); see docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Engine layer: the multi-process engine; replicas in different processes, joined by torch.distributed.
+"""The multi-process engine; replicas in different processes, joined by torch.distributed.
 
 One module per concern (gloo on CPU, NCCL on CUDA):
 

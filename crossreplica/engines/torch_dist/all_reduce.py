@@ -1,4 +1,4 @@
-"""Engine layer (torch_dist): all_reduce and reduce_scatter across workers.
+"""``all_reduce`` and ``reduce_scatter`` across workers.
 
 Local members reduce in-process (ascending replica id, ``reduction.py``), then
 the partials of every group of a worker set are bucketed per (dtype, op) and

@@ -1,4 +1,4 @@
-"""Engine layer (torch_dist): broadcast across workers.
+"""Broadcast across workers.
 
 One byte pack per (worker set, source worker), sent with ``dist.broadcast``;
 members on the source's own worker copy the source's tensors in-process.

@@ -1,4 +1,4 @@
-"""Engine layer (torch_dist): the engine itself; one call for all local replicas of a worker.
+"""The torch.distributed engine itself; one call for all local replicas of a worker.
 
 Each process (a *worker*) drives ``replicas_per_worker`` local replicas; the
 global replica id is ``worker_rank * replicas_per_worker + local_index``.

@@ -1,4 +1,4 @@
-"""Engine layer (torch_dist): all_gather across workers.
+"""``all_gather`` across workers.
 
 Shapes may differ along the gather dim (an uneven last batch), so the sizes
 travel first (a small int64 all-gather), then one byte pack per worker, padded

@@ -1,4 +1,4 @@
-"""Engine layer (torch_dist): the ordered all-reduce of floating-point groups.
+"""The ordered all-reduce of floating-point groups.
 
 A reduce-scatter then all-gather, like the backends' ring, but ordered: worker
 ``j`` of a worker set receives the ``j``-th chunk of every member's tensor

@@ -1,4 +1,4 @@
-"""Engine layer (torch_dist): point-to-point messages, all_to_all and permute.
+"""Point-to-point messages, all_to_all and permute.
 
 Each exchange sends one byte pack per peer worker through
 ``batch_isend_irecv``; receivers know the sizes from their own shapes (shapes

@@ -1,4 +1,4 @@
-"""Engine layer (torch_dist): how one call maps onto workers and process subgroups.
+"""How one call maps onto workers and process subgroups.
 
 A group assignment becomes, per replica group, the set of workers that own a
 member (a *worker set*). Worker sets with more than one worker get a process

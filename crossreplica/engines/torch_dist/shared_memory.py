@@ -1,62 +1,36 @@
-"""Engine layer (torch_dist): the same-host all-reduce, through shared memory.
+"""The same-host all-reduce, through shared memory.
 
-Why our own transport: gloo carries an all-reduce between processes of one host
-over loopback TCP, so every byte is copied into the kernel and out again and
-summed on gloo's threads. Processes of one host can instead map each other's
-buffers: each worker reduces its 1/W slice of every worker's buffer and writes
-the result into all of them. Measured on the 2-core VM (2 workers, float32, the
-copy into the buffer included; ``benchmarks/dist_allreduce.py``, BENCHMARKS.md):
-2.4 ms for 16 MiB against gloo's 14.3 ms in place, 29 us for 256 KiB against 0.50 ms.
+gloo carries an all-reduce between processes of one host over loopback TCP
+(every byte copied through the kernel, summed on gloo's threads); processes of
+one host can instead map each other's buffers: each worker reduces its 1/W
+slice of every worker's buffer and writes the result into all of them
+(figures: BENCHMARKS.md, "Across processes").
 
 Scope: one replica per worker, CPU tensors of the floating dtypes that reduce
 in their own dtype (float16 and bfloat16 arrive as float32), a group of every
 worker. Two forms: buffers handed out by :meth:`SharedMemoryReducer.buffer`,
 all-reduced in place and asynchronously (SUM, MEAN: the optimizer keeps its
 overlapped gradient buckets there, so nothing is copied), and any synchronous
-all-reduce (SUM, MEAN, MAX, MIN: ``cr.all_reduce``, the optimizer's fused packs),
-whose tensors are copied into an *arena*, a buffer of the same kind per dtype
-grown to the largest call (at most 256 MiB), and the results copied out. Every
-other call takes the backend. Whether the workers share a host is decided once,
-by all of them together, from a probe file each writes into ``/dev/shm`` and the
-others read back (the tokens and process ids go through the store), so the same
-calls take the same path on every worker; environment
+all-reduce (SUM, MEAN, MAX, MIN), whose tensors are copied into an *arena* (a
+buffer of the same kind per dtype, grown to the largest call, at most 256 MiB)
+and the results copied out. Every other call takes the backend. Whether the
+workers share a host is decided once, by all of them together (a probe file in
+``/dev/shm``), so the same calls take the same path on every worker;
 ``CROSSREPLICA_SHARED_MEMORY=0`` turns the path off.
 
-Protocol. Each buffer is a file ``/dev/shm/crossreplica-<token>-<k>`` per worker
-(``token``: the worker's, ``k``: the engine's buffer count, the same on every
-worker since they ask in the same order), a 64-byte header, then the data. A
-worker writes only its own header: word 0 counts the rounds it has deposited
-(its data is in place), word 1 the rounds whose slice it has reduced. Round
-``s`` on a buffer: deposit (header word 0 = s), reduce this worker's slice once
-every worker has deposited ``s`` (in ascending worker rank, block by block, into
-rank 0's copy, then copied into the others: the bytes of ``reduction.py``, so
-the results are those of the in-process engine and of the ordered backend
-path), publish (word 1 = s), and the round is over for a worker once every
-worker has published ``s``. Nobody touches a worker's buffer after it has seen
-every word 1 reach ``s`` until it deposits ``s + 1``. Slices are reduced
-whenever the worker comes by (each start, and while it waits), so a worker that
-finishes backward early does the reduction work that has become ready rather
-than idle. A lock round trip orders the data before each published word on
-every architecture.
+Invariants (the round protocol, the files' lifetime and the waits in detail:
+docs/architecture.md, "engines/torch_dist/shared_memory.py"):
 
-Lifetime. A buffer's files have names only while the workers set it up (once
-per buffer: the first time the optimizer starts that bucket, or an arena
-grows): every worker
-creates its file, maps the others' once all exist, and unlinks its own once all
-have mapped (two meetings through the store). The mappings then live as long
-as the buffer's tensor, and a worker killed later leaves nothing in /dev/shm.
-A worker reserves its file's pages as it creates it, so a full /dev/shm (a
-container's 64 MB default) fails there rather than with SIGBUS at a later
-write; a buffer that any worker could not create is given up by all of them,
-and that bucket takes the backend.
-
-Waits poll the peers' headers (yielding for 1 ms, then sleeps of at most 0.2 ms);
-every quarter second they check the store's abort key, log the slow-collective
-WARNING once past its threshold (``logs.slow_seconds``, as the backend's waits
-do), and check whether every peer process is still alive (the probe exchanged process ids: a worker killed in
-the middle of a round is a WorkerFailedError naming it at once, as gloo's
-broken connection is), and at the timeout they raise CollectiveTimeoutError
-naming the worker ranks that never deposited or published.
+* the results are the bytes of ``reduction.py`` (ascending worker rank, block
+  by block), those of the in-process engine and of the ordered backend path;
+* a worker writes only its own header, and nobody touches a worker's buffer
+  from the end of a round until that worker deposits the next one;
+* the files have names only while a buffer is set up: a worker killed later
+  leaves nothing in /dev/shm; a full /dev/shm fails at creation (never SIGBUS
+  later) and that buffer takes the backend on every worker;
+* every wait is bounded: a dead peer is a WorkerFailedError naming it at once,
+  an abort releases the wait, and the timeout is a CollectiveTimeoutError
+  naming the ranks that never deposited or published.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Engine layer (torch_dist): the files behind the same-host all-reduce (``shared_memory.py``).
+"""The files behind the same-host all-reduce (``shared_memory.py``).
 
 A buffer is a file in ``SHM_DIR`` (a tmpfs on Linux): a ``HEADER``-byte header of
 int64 words, then the data, mapped into every worker of the host. Its pages are

@@ -1,4 +1,4 @@
-"""Engine layer (torch_dist): ``check_collectives``, the cross-worker agreement check.
+"""``check_collectives``, the cross-worker agreement check.
 
 Before each collective every worker all-gathers a hash of its local replicas'
 calls; only on a mismatch do the full calls travel (``all_gather_object``) and

@@ -1,4 +1,4 @@
-"""Engine layer (torch_dist): store calls that cannot outlast a cut network link.
+"""Store calls that cannot outlast a cut network link.
 
 A wait's store calls (the abort key, the progress keys, a host-side meeting)
 go to the store host over TCP. When the link to it is cut (no reset, packets
@@ -10,11 +10,8 @@ marks the store unreachable, and every later call returns its default at once,
 so the wait runs to its deadline and raises with a message that says the store
 stopped answering. The blocked call stays on its daemon thread, which never
 keeps the process from exiting. A store that refuses or fails a call (its
-host died) answers the default at once, as before.
-
-Why a thread and not the store's own timeout: torch's ``TCPStore`` bounds
-``wait`` and ``get`` by its timeout, but not every call, and the timeout is
-the whole job's (minutes), set when the store is created.
+host died) answers the default at once, as before. (Why a thread and not the
+store's own timeout: docs/architecture.md, "engines/torch_dist/store_probe.py".)
 """
 
 from __future__ import annotations

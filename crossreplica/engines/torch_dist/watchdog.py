@@ -1,4 +1,4 @@
-"""Engine layer (torch_dist): bounded, abort-aware waits, and what a failure says.
+"""Bounded, abort-aware waits, and what a failure says.
 
 Invariant: no wait of this engine outlasts the timeout, and a worker whose
 replica raised releases the others within a fraction of a second. On CPU
