@@ -1,5 +1,4 @@
-"""Engine layer (torch_dist): each worker's heartbeat in the store, and the peers whose
-heartbeat stopped.
+"""Each worker's heartbeat in the store, and the peers whose heartbeat stopped.
 
 A collective notices a lost worker when a connection to it breaks. With three
 workers or more, the ones still waiting may hold no connection to the lost one
