@@ -125,39 +125,71 @@ class Watchdog:
 
     # ------------------------------------------------------------ waiting
 
+    def until(self, attempt: Callable[[], bool], ranks: Sequence[int], late: Callable[[], Sequence[int]],
+              pace: float = 0.0, timed_out: Callable[[list[int]], BaseException] | None = None) -> float:
+        """The one wait of this engine: calls ``attempt()`` until it returns True, bounded by
+        the timeout, and returns the deadline. Between attempts it posts this worker's
+        progress (once), raises when another worker announced a failure, a peer's heartbeat
+        stopped or the deadline passed (``timed_out(late())``, or the collective's
+        CollectiveTimeoutError naming ``late()``), and warns once when the wait is slow.
+        ``attempt`` paces itself (a sliced backend wait, a batch of store polls); with
+        ``pace`` the loop also sleeps between attempts, doubling up to ``pace`` seconds."""
+        deadline = time.monotonic() + self.timeout
+        posted = warned = False
+        pause = min(1e-4, pace)
+        while not attempt():
+            if not posted:
+                self.post_progress()
+                posted = True
+            aborted = self.abort_message()
+            if aborted is not None:
+                raise ReplicaAborted(f"{aborted}; this worker was released from {self.where}")
+            waited = self.timeout - (deadline - time.monotonic())
+            if waited >= _SLICE:  # never on a fast exchange's path
+                self.raise_if_peers_lost()
+            if waited >= self.timeout:
+                missing = list(late())
+                if timed_out is not None:
+                    raise timed_out(missing)
+                replicas = self._replicas_of(missing)
+                raise CollectiveTimeoutError(
+                    f"collective {self.where} timed out after {self.timeout:g}s on worker rank "
+                    f"{self.rank}: worker ranks {missing} (replicas {list(replicas)}) never "
+                    f"arrived (ranks taking part: {list(ranks)}){self._cut_off()}", replicas)
+            if not warned and waited >= self.slow:
+                warned = True
+                self.warn_slow(deadline, ranks, late())
+            if pace:
+                time.sleep(pause)
+                pause = min(2 * pause, pace)
+        if warned:
+            self.completed(deadline)
+        return deadline
+
     def wait(self, work: Any, ranks: Sequence[int]) -> None:
-        """Waits for ``work`` in slices, checking the abort key; bounded by the timeout."""
+        """Waits for ``work`` in slices (:meth:`until`)."""
         if self.backend == "nccl":
             work.wait()  # the NCCL watchdog enforces the process-group timeout
             return
-        deadline = time.monotonic() + self.timeout
-        posted = warned = False
-        while True:
-            left = deadline - time.monotonic()
+
+        def attempt() -> bool:
             try:
-                work.wait(datetime.timedelta(seconds=max(min(_SLICE, left), 0.001)))
-                if warned:
-                    self.completed(deadline)
-                return
+                work.wait(datetime.timedelta(seconds=_SLICE))
             except RuntimeError as e:
                 # Anything but the end of a slice (or a finished work) is the backend
                 # reporting a real failure.
                 if _GLOO_SLICE_TIMEOUT not in str(e) or work.is_completed():
                     raise
-            if not posted:
-                self.post_progress()
-                posted = True
-            self._raise_if_aborted_or_late(deadline, ranks, lambda: self._missing(ranks))
-            if not warned and self.timeout - (deadline - time.monotonic()) >= self.slow:
-                warned = True
-                self.warn_slow(deadline, ranks, self._missing(ranks))
+                return False
+            return True
+
+        self.until(attempt, ranks, lambda: self._missing(ranks))
 
     def await_peers(self, peers: Sequence[int], ranks: Sequence[int]) -> float:
         """Posts this worker's arrival at its next exchange with each of ``peers`` and waits
-        (abort-aware, bounded by the timeout) until each has posted its arrival at the same
-        exchange; returns the deadline. Both sides of a pair walk their exchanges in the
-        same order, so a per-pair count names the same exchange on both. Needs the store."""
-        deadline = time.monotonic() + self.timeout
+        (:meth:`until`) until each has posted its arrival at the same exchange; returns the
+        deadline. Both sides of a pair walk their exchanges in the same order, so a per-pair
+        count names the same exchange on both. Needs the store."""
         want = {}
         for peer in peers:
             want[peer] = self._exchanges.get(peer, 0) + 1
@@ -165,6 +197,7 @@ class Watchdog:
         mine = [f"{self._prefix}/p2p/{self.rank}->{peer}" for peer in peers]
         theirs = {peer: f"{self._prefix}/p2p/{peer}->{self.rank}" for peer in peers}
         posts = [mine]  # emptied once posted: a batch the store did not answer is not posted again
+        waiting = list(peers)
 
         def poll(store: Any) -> list[int]:
             # On the probe's thread, so a cut link cannot block this worker: posts once, then
@@ -173,30 +206,21 @@ class Watchdog:
                 store.add(key, 1)
             end, pause = time.monotonic() + _BATCH, 0.0005
             while True:
-                waiting = [peer for peer, key in theirs.items() if store.add(key, 0) < want[peer]]
-                if not waiting or time.monotonic() >= end:
-                    return waiting
+                left = [peer for peer, key in theirs.items() if store.add(key, 0) < want[peer]]
+                if not left or time.monotonic() >= end:
+                    return left
                 time.sleep(pause)
                 pause = min(pause * 2, 0.01)
 
-        posted = warned = False
-        while True:
-            waiting = self.probe(list(peers), poll)
-            if not waiting:
-                if warned:
-                    self.completed(deadline)
-                return deadline
-            if not posted:
-                self.post_progress()
-                posted = True
-            self._raise_if_aborted_or_late(deadline, ranks, lambda: waiting)  # noqa: B023 - called at once
-            if not warned and self.timeout - (deadline - time.monotonic()) >= self.slow:
-                warned = True
-                self.warn_slow(deadline, ranks, waiting)
+        def attempt() -> bool:
+            waiting[:] = self.probe(list(peers), poll)
+            return not waiting
+
+        return self.until(attempt, ranks, lambda: waiting)
 
     def meet(self, what: str) -> None:
-        """Waits (abort-aware, bounded by the timeout) until every worker has reached the
-        host-side collective ``what`` (``cr.save``), before any of its cross-process calls.
+        """Waits (:meth:`until`) until every worker has reached the host-side collective
+        ``what`` (``cr.save``), before any of its cross-process calls.
 
         A worker that went on to a later cross-process call instead (its progress key,
         posted while it waits there, is past this worker's count) never comes: ``what``
@@ -213,16 +237,12 @@ class Watchdog:
         base = f"{self._prefix}/meet/{self.count}.{self._meetings}"
         self.probe(None, lambda s: s.set(f"{base}/{self.rank}", what))
         keys = {rank: f"{base}/{rank}" for rank in range(self.world_size) if rank != self.rank}
-        start = time.monotonic()
-        deadline = start + self.timeout
-        pause = 1e-4
-        while not self.probe(False, lambda s: s.check(list(keys.values()))):
-            aborted = self.abort_message()
-            if aborted is not None:
-                raise ReplicaAborted(f"{aborted}; this worker was released from {what}")
-            if time.monotonic() - start >= _SLICE:
-                self.raise_if_peers_lost()
-            absent = [rank for rank, key in keys.items() if not self._posted(key)]
+        absent = list(keys)
+
+        def attempt() -> bool:
+            if self.probe(False, lambda s: s.check(list(keys.values()))):
+                return True
+            absent[:] = [rank for rank, key in keys.items() if not self._posted(key)]
             gone = [rank for rank in absent if self._progress(rank) > self.count]
             if gone:
                 raise CollectiveMismatchError(
@@ -230,13 +250,19 @@ class Watchdog:
                     f"{list(self._replicas_of(gone))}) went on to their next collective without calling it. "
                     f"{what} is a collective: every worker must call it (the chief alone writes the file); "
                     f"drop the `if rank == 0:` (DDP's `if master_process:`) around it")
-            if time.monotonic() >= deadline:
-                raise CollectiveTimeoutError(
-                    f"{what} timed out after {self.timeout:g}s on worker rank {self.rank}: worker ranks {absent} "
-                    f"(replicas {list(self._replicas_of(absent))}) never called it; {what} is a collective that "
-                    f"every worker must call{self._cut_off()}", self._replicas_of(absent))
-            time.sleep(pause)
-            pause = min(2 * pause, 0.02)
+            return False
+
+        def timed_out(missing: list[int]) -> BaseException:
+            return CollectiveTimeoutError(
+                f"{what} timed out after {self.timeout:g}s on worker rank {self.rank}: worker ranks {missing} "
+                f"(replicas {list(self._replicas_of(missing))}) never called it; {what} is a collective that "
+                f"every worker must call{self._cut_off()}", self._replicas_of(missing))
+
+        current, self.current = self.current, what
+        try:
+            self.until(attempt, range(self.world_size), lambda: absent, pace=0.02, timed_out=timed_out)
+        finally:
+            self.current = current
 
     def close(self) -> None:
         """Stops this worker's heartbeat (the engine is closed)."""
@@ -258,24 +284,6 @@ class Watchdog:
                        f"{describe(lost, self.pulses.stopped_after)}")
             self.announce(message)
             raise WorkerFailedError(message, self._replicas_of(lost))
-
-    def _raise_if_aborted_or_late(self, deadline: float, ranks: Sequence[int],
-                                  missing: Callable[[], Sequence[int]]) -> None:
-        """Raises if another worker announced a failure, a peer's heartbeat stopped, or
-        ``deadline`` has passed (naming the worker ranks ``missing()`` returns and their
-        replicas)."""
-        aborted = self.abort_message()
-        if aborted is not None:
-            raise ReplicaAborted(f"{aborted}; this worker was released from {self.where}")
-        if self.timeout - (deadline - time.monotonic()) >= _SLICE:  # never on a fast exchange's path
-            self.raise_if_peers_lost()
-        if time.monotonic() >= deadline:
-            late = list(missing())
-            replicas = self._replicas_of(late)
-            raise CollectiveTimeoutError(
-                f"collective {self.where} timed out after {self.timeout:g}s on worker rank "
-                f"{self.rank}: worker ranks {late} (replicas {list(replicas)}) never "
-                f"arrived (ranks taking part: {list(ranks)}){self._cut_off()}", replicas)
 
     def _cut_off(self) -> str:
         """What a timeout message adds when the store stopped answering this worker."""
