@@ -109,8 +109,14 @@ def wire_dtype(op: ReduceOp | None, dtype: torch.dtype) -> torch.dtype:
     return signed[0] if signed is not None else dtype
 
 
-def to_wire(op: ReduceOp | None, t: torch.Tensor) -> torch.Tensor:
-    """``t`` in :func:`wire_dtype` (``t`` itself when that is its own dtype)."""
+def to_wire(op: ReduceOp | None, t: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """``t`` in :func:`wire_dtype` (``t`` itself when that is its own dtype), divided by
+    ``scale`` when given (a MEAN's power of two, :func:`mean_scale`)."""
+    wire = _to_wire(op, t)
+    return wire if scale is None else wire * (1.0 / scale)
+
+
+def _to_wire(op: ReduceOp | None, t: torch.Tensor) -> torch.Tensor:
     dtype = t.dtype
     if dtype in _SIGNED:
         signed, sign = _SIGNED[dtype]
@@ -122,8 +128,11 @@ def to_wire(op: ReduceOp | None, t: torch.Tensor) -> torch.Tensor:
     return t if wire is dtype else t.to(wire)
 
 
-def from_wire(op: ReduceOp | None, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of :func:`to_wire` for a result of a reduction of ``dtype``."""
+def from_wire(op: ReduceOp | None, t: torch.Tensor, dtype: torch.dtype, scale: float | None = None) -> torch.Tensor:
+    """The inverse of :func:`to_wire` for a result of a reduction of ``dtype`` (multiplied
+    back by ``scale`` when given)."""
+    if scale is not None:
+        t = t * scale
     if t.dtype is dtype:
         return t
     if dtype is torch.uint16:

@@ -44,7 +44,6 @@ from .workers import FAILED as _FAILED
 from .workers import MISSING as _MISSING
 from .workers import OK as _OK
 from .workers import cross_process as _cross_process
-from .workers import share_from_chief as _share_from_chief
 
 if TYPE_CHECKING:
     from ..strategies.base import Strategy
@@ -154,7 +153,7 @@ def _read_everywhere(path: str, map_location: Any, weights_only: bool, strategy:
             status, payload = _MISSING, str(e).encode()
         except Exception as e:  # noqa: BLE001 - every worker raises it
             status, payload = _FAILED, f"{type(e).__name__}: {e}".encode()
-    status, payload = _share_from_chief(status, payload)
+    status, payload = workers.share_from_chief(status, payload)
     if status == _MISSING:
         raise FileNotFoundError(
             f"cr.load: no checkpoint at {path!r} on the chief (rank 0): {payload.decode(errors='replace')}")

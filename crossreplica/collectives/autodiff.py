@@ -102,13 +102,13 @@ def _scaled_mean(rctx: ReplicaContext, kind: Kind, groups: Groups, params: tuple
     up after, in the wire dtype (as the strategies' reductions), so that values above max/n
     do not overflow the sum (``reduce_op.mean_scale``); otherwise bitwise the plain MEAN."""
     op = ReduceOp.MEAN
-    wire = [to_wire(op, t) if s is None else to_wire(op, t) * (1.0 / s) for t, s in zip(tensors, scales)]
+    wire = [to_wire(op, t, s) for t, s in zip(tensors, scales)]
     call = Call.of(kind, groups, params, wire)
     source = tuple(t.dtype for t in tensors)
     if source != call.dtypes:
         call = call._replace(source_dtypes=source)
     outs = rctx.engine.execute(rctx.replica_id_in_sync_group, call, wire)
-    return [from_wire(op, o if s is None else o * s, t.dtype) for o, s, t in zip(outs, scales, tensors)]
+    return [from_wire(op, o, t.dtype, s) for o, s, t in zip(outs, scales, tensors)]
 
 
 def _wrong_device(rctx: ReplicaContext, kind: Kind, tensors: list[torch.Tensor], device: torch.device) -> None:

@@ -30,6 +30,7 @@ The arithmetic every engine shares (the reduction order) is in
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -39,7 +40,7 @@ import torch
 from ..errors import CollectiveMismatchError
 from ..groups import Groups
 
-__all__ = ["BARRIER", "FINISHED", "INPLACE", "MERGE_CALL", "Call", "Engine", "Kind", "Pending",
+__all__ = ["BARRIER", "FINISHED", "INPLACE", "MERGE_CALL", "Call", "Engine", "Kind", "Pending", "WorkerEngine",
            "check_agreement", "check_inplace", "is_inplace", "scatter_slice"]
 
 INPLACE = "inplace"
@@ -269,6 +270,11 @@ class Engine(abc.ABC):
     #: own, reduced in place, rather than a copy into the optimizer's bucket (None:
     #: pack them like the rest; calls that cost more than a copy)
     own_bucket_bytes: int | None = None
+    #: the local replicas are threads of this process that meet through ``exchange_objects``
+    #: alone, so an in-process form may read the tensors of a group of local replicas
+    #: directly (the sharded optimizer's update); False where a worker-level transport is
+    #: involved
+    in_process: bool = False
 
     @abc.abstractmethod
     def execute(self, replica_id: int, call: Call, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -306,3 +312,31 @@ class Engine(abc.ABC):
         if len(self.local_replica_ids) != 1:
             raise NotImplementedError(f"{type(self).__name__} must implement exchange_objects")
         return leader_fn([call], [obj])
+
+
+class WorkerEngine(Engine):
+    """An engine whose replicas span processes (workers): what a multi-worker strategy and
+    the checkpoints call besides the per-replica collectives. Each call is collective
+    over every worker and bounded by the engine's timeout."""
+
+    #: this worker's rank, and the number of workers
+    rank: int
+    world_size: int
+
+    @abc.abstractmethod
+    def process(self, calls: Sequence[Call], payloads: Sequence[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """Runs one collective for every local replica at once (``calls`` and ``payloads``
+        in local order); returns each local replica's outputs."""
+
+    @abc.abstractmethod
+    def barrier(self, what: str = "barrier") -> None:
+        """Waits until every worker reaches the same barrier."""
+
+    @abc.abstractmethod
+    def meet(self, what: str) -> None:
+        """Waits until every worker reaches the host-side collective ``what`` (``cr.save``);
+        fails at once if a worker went past it without calling it."""
+
+    @abc.abstractmethod
+    def timeout_override(self, seconds: float | None) -> contextlib.AbstractContextManager[None]:
+        """Bounds the cross-process waits inside by ``seconds`` instead of the timeout."""

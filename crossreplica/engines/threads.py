@@ -116,6 +116,7 @@ class ThreadsEngine(Engine):
     # A round costs some 20 us; copying 1 MiB into a bucket about 0.1 ms (the MLP of
     # benchmarks/training_step.py: 1.2 -> 0.7 ms per step in the gradient hooks).
     own_bucket_bytes = 1 << 20
+    in_process = True
 
     def __init__(self, devices: Sequence[torch.device], timeout: float | None = None,
                  rendezvous: Rendezvous | None = None, replica_ids: Sequence[int] | None = None):

@@ -38,7 +38,6 @@ import torch
 
 from ..context import ReplicaContext
 from ..engines.base import BARRIER, MERGE_CALL, Call, Engine, Kind
-from ..engines.threads import ThreadsEngine
 from ..engines.wire import execute_on_wire
 from ..groups import Groups, group_of
 from ..reduce_op import ReduceOp
@@ -380,7 +379,7 @@ def _every(calls: list[Any], objs: list[tuple[int, Any]]) -> dict[int, Any]:
 def _one_process(engine: Engine, groups: Groups, rid: int, param_groups: list[dict]) -> bool:
     """Whether every member of ``rid``'s group is a replica thread of this process (the
     threads engine) and every parameter a contiguous CPU tensor: the in-process form."""
-    return (isinstance(engine, ThreadsEngine) and set(group_of(groups, rid)) <= set(engine.local_replica_ids)
+    return (engine.in_process and set(group_of(groups, rid)) <= set(engine.local_replica_ids)
             and all(p.device.type == "cpu" and p.is_contiguous() for g in param_groups for p in g["params"]))
 
 

@@ -293,12 +293,10 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
         device, dtype = tensors[0].device, tensors[0].dtype
         # In the wire dtype (float16 sums in float32, rounded once; unsigned ints as
         # signed), as the collectives do, so every strategy and engine gives the same bytes.
-        xs = [to_wire(op, t.to(device)) for t in tensors]
-        scale = mean_scale(op, len(xs), dtype)  # a MEAN of huge values: no overflow of the sum
-        if scale is not None:
-            xs = [x * (1.0 / scale) for x in xs]
+        scale = mean_scale(op, len(tensors), dtype)  # a MEAN of huge values: no overflow of the sum
+        xs = [to_wire(op, t.to(device), scale) for t in tensors]
         out = reduce_into(op, torch.empty_like(xs[0], memory_format=torch.contiguous_format), xs)
-        return from_wire(op, out if scale is None else out.mul_(scale), dtype)
+        return from_wire(op, out, dtype, scale)
 
     def gather_values(self, tensors: Sequence[torch.Tensor], axis: int) -> torch.Tensor:
         """Concatenates one tensor per local replica over all replicas in sync."""

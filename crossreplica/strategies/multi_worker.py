@@ -127,14 +127,9 @@ class MultiWorkerExtended(StrategyExtended):
         xs = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t) for t in tensors]
         if xs[0].layout is not torch.strided:
             return self._reduce_sparse_values(op, xs)
-        dtype = xs[0].dtype
-        xs = [to_wire(op, x) for x in xs]  # as StrategyExtended.reduce_values
-        scale = mean_scale(op, self.num_replicas_in_sync, dtype)
-        if scale is not None:
-            xs = [x * (1.0 / scale) for x in xs]
-        calls = [Call.of(Kind.ALL_REDUCE, self._world(), (op,), [x]) for x in xs]
-        out = self.engine.process(calls, [[x] for x in xs])[0][0]
-        return from_wire(op, out if scale is None else out * scale, dtype)
+        # as StrategyExtended.reduce_values: a MEAN of huge values scaled down, no overflow of the sum
+        return self._on_workers(Kind.ALL_REDUCE, (op,), xs, op, mean_scale(op, self.num_replicas_in_sync,
+                                                                          xs[0].dtype))
 
     def _reduce_sparse_values(self, op: ReduceOp, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Sparse COO: every replica's (indices, values) gathered, reduced in replica order."""
@@ -148,20 +143,24 @@ class MultiWorkerExtended(StrategyExtended):
         """Concatenates every replica's tensor along ``axis``, in global replica order."""
         if self.engine.world_size == 1:
             return super().gather_values(tensors, axis)
-        dtype = tensors[0].dtype
-        xs = [to_wire(None, t.unsqueeze(0) if t.dim() == 0 else t) for t in tensors]
-        axis = axis % xs[0].dim()
-        calls = [Call.of(Kind.ALL_GATHER, self._world(), ((axis,),), [x]) for x in xs]
-        return from_wire(None, self.engine.process(calls, [[x] for x in xs])[0][0], dtype)
+        xs = [t.unsqueeze(0) if t.dim() == 0 else t for t in tensors]
+        return self._on_workers(Kind.ALL_GATHER, ((axis % xs[0].dim(),),), xs)
 
     def broadcast_values(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Replica 0's tensor (of worker 0), given one tensor per local replica."""
         if self.engine.world_size == 1:
             return super().broadcast_values(tensors)
-        dtype = tensors[0].dtype
-        xs = [to_wire(None, x) for x in tensors]  # unsigned ints travel as signed ones
-        calls = [Call.of(Kind.BROADCAST, self._world(), (0,), [x]) for x in xs]
-        return from_wire(None, self.engine.process(calls, [[x] for x in xs])[0][0], dtype)
+        return self._on_workers(Kind.BROADCAST, (0,), list(tensors))
+
+    def _on_workers(self, kind: Kind, params: tuple, xs: list[torch.Tensor], op: ReduceOp | None = None,
+                    scale: float | None = None) -> torch.Tensor:
+        """One worker-level call over every replica in sync, one tensor per local replica, in
+        the wire dtype (float16 sums in float32, unsigned ints as signed: engines/wire.py);
+        the first local replica's result, in the tensors' dtype."""
+        dtype = xs[0].dtype
+        wire = [to_wire(op, x, scale) for x in xs]
+        calls = [Call.of(kind, self._world(), params, [x]) for x in wire]
+        return from_wire(op, self.engine.process(calls, [[x] for x in wire])[0][0], dtype, scale)
 
     def broadcast_initial_state(self, mirrored: Any) -> Any:
         """Overwrites every local copy in ``mirrored`` (a Mirrored of modules, tensors or

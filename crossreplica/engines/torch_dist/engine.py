@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ...errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAborted
 from ...logs import replica_failed, report
-from ..base import FINISHED, Call, Engine, Kind, Pending, check_inplace, is_inplace
+from ..base import FINISHED, Call, Kind, Pending, WorkerEngine, check_inplace, is_inplace
 from ..buffer_pool import BufferPool
 from .all_reduce import all_reduce, reduce_scatter, start_all_reduce
 from .broadcast import broadcast
@@ -55,7 +55,7 @@ _COLLECTIVES = {Kind.ALL_REDUCE: all_reduce, Kind.REDUCE_SCATTER: reduce_scatter
                 Kind.BROADCAST: broadcast, Kind.ALL_TO_ALL: all_to_all, Kind.PERMUTE: permute}
 
 
-class TorchDistEngine(Engine):
+class TorchDistEngine(WorkerEngine):
     """Collectives between processes through torch.distributed, one replica per worker
     (or, as the base of the hierarchical engine, all local replicas of a worker at once)."""
 
