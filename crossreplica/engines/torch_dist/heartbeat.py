@@ -20,7 +20,9 @@ on time it did not watch.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import threading
 import time
 import weakref
@@ -42,9 +44,14 @@ class _Beater:
     """The one daemon thread of a process that bumps every live heartbeat's counter."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """A fresh state (also in a forked child: the parent's thread and lock stay behind)."""
         self._lock = threading.Lock()
         self._beats: list[weakref.ref[Heartbeat]] = []
         self._thread: threading.Thread | None = None
+        self._exiting = threading.Event()
 
     def add(self, beat: Heartbeat) -> None:
         with self._lock:
@@ -58,16 +65,30 @@ class _Beater:
             with self._lock:
                 beats = [b for b in (ref() for ref in self._beats) if b is not None and not b.stopped]
                 self._beats = [weakref.ref(b) for b in beats]
-                if not beats:
+                if not beats or self._exiting.is_set():
                     self._thread = None
                     return
                 period = min(b.period for b in beats)
             for beat in beats:
                 beat.beat()
-            time.sleep(period)
+            self._exiting.wait(period)
+
+    def stop_at_exit(self) -> None:
+        """Ends the thread before the interpreter finalizes, so it is never inside a store
+        call while the store's objects are torn down (bounded: a call stuck on a cut link
+        is left behind)."""
+        self._exiting.set()
+        thread = self._thread
+        if thread is not None:
+            thread.join(_EXIT_JOIN)
 
 
 _BEATER = _Beater()
+atexit.register(_BEATER.stop_at_exit)
+os.register_at_fork(after_in_child=_BEATER.reset)
+
+#: seconds the interpreter's exit waits for the heartbeat thread
+_EXIT_JOIN = 1.0
 
 
 class Heartbeat:

@@ -16,7 +16,9 @@ store's own timeout: docs/architecture.md, "engines/torch_dist/store_probe.py".)
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -36,12 +38,47 @@ _server_lock = threading.Lock()
 
 def _serve() -> None:
     while True:
-        call, box, done = _requests.get()
+        request = _requests.get()
+        if request is None:  # the interpreter exits
+            return
+        call, box, done = request
         try:
             box.append(call())
-        except Exception:  # noqa: BLE001 - the caller's default answers for a failed call
-            pass
+        except Exception as e:  # noqa: BLE001 - the caller decides: its default, or the error
+            box.append(_Failed(e))
         done.set()
+
+
+def _stop_at_exit() -> None:
+    """Ends the probe's thread before the interpreter finalizes, so it is never inside a
+    store call while the store's objects are torn down (bounded: a call stuck on a cut
+    link is left behind)."""
+    server = _server
+    if server is not None and server.is_alive():
+        _requests.put(None)
+        server.join(_EXIT_JOIN)
+
+
+def _reset_in_child() -> None:
+    """A forked child starts without the parent's thread, queue and lock."""
+    global _requests, _server, _server_lock
+    _requests, _server, _server_lock = queue.SimpleQueue(), None, threading.Lock()
+
+
+atexit.register(_stop_at_exit)
+os.register_at_fork(after_in_child=_reset_in_child)
+
+#: seconds the interpreter's exit waits for the probe's thread
+_EXIT_JOIN = 1.0
+
+
+class _Failed:
+    """A call that raised (the store host refused or dropped the connection)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception):
+        self.error = error
 
 
 class StoreProbe:
@@ -53,8 +90,9 @@ class StoreProbe:
         #: a call did not answer in time: the store host is cut off from this worker
         self.unreachable = False
 
-    def __call__(self, default: Any, call: Callable[[Any], Any]) -> Any:
-        """``call(store)``, or ``default`` when it fails or does not answer in time."""
+    def __call__(self, default: Any, call: Callable[[Any], Any], raises: bool = False) -> Any:
+        """``call(store)``, or ``default`` when it does not answer in time, or when it fails
+        (``raises``: its error instead, for a wait that a dead store host must end)."""
         if self.store is None or self.unreachable:
             return default
         global _server
@@ -71,4 +109,9 @@ class StoreProbe:
             _log.warning("the store did not answer within %gs: this worker is probably cut off from the store "
                          "host (rank 0, or torchrun's agent); its waits now run to their timeout", self.seconds)
             return default
-        return box[0] if box else default
+        answer = box[0] if box else default
+        if isinstance(answer, _Failed):
+            if raises:
+                raise answer.error
+            return default
+        return answer

@@ -172,9 +172,11 @@ class Watchdog:
             work.wait()  # the NCCL watchdog enforces the process-group timeout
             return
 
+        end = time.monotonic() + self.timeout  # the last slice ends at the deadline, not past it
+
         def attempt() -> bool:
             try:
-                work.wait(datetime.timedelta(seconds=_SLICE))
+                work.wait(datetime.timedelta(seconds=max(min(_SLICE, end - time.monotonic()), 0.001)))
             except RuntimeError as e:
                 # Anything but the end of a slice (or a finished work) is the backend
                 # reporting a real failure.
@@ -213,7 +215,7 @@ class Watchdog:
                 pause = min(pause * 2, 0.01)
 
         def attempt() -> bool:
-            waiting[:] = self.probe(list(peers), poll)
+            waiting[:] = self.probe(list(peers), poll, raises=True)  # a dead store host: a lost peer
             return not waiting
 
         return self.until(attempt, ranks, lambda: waiting)
@@ -351,13 +353,27 @@ class Watchdog:
                 return missing
             time.sleep(0.1)
 
+    def _stopped_heartbeats(self) -> list[int]:
+        """The peers whose heartbeat stops within the heartbeat window (the dead ones, when a
+        connection broke), or [] when none does or there are no heartbeats. A peer whose
+        connection broke only because it failed too keeps beating and is not named."""
+        if self.pulses is None:
+            return []
+        end = time.monotonic() + self.pulses.stopped_after + 2 * _SLICE
+        while time.monotonic() < end and self.abort_message() is None:
+            stopped = self.pulses.lost(lambda call: self.probe(None, call))
+            if stopped:
+                return stopped
+            time.sleep(_SLICE)
+        return []
+
     def lost(self, e: BaseException) -> CrossReplicaError:
         """Turns a backend error (a peer closed its connection) into our error type."""
         aborted = self.abort_message()
         if aborted is not None:
             return ReplicaAborted(f"{aborted}; this worker was released from {self.where}")
         self.post_progress()
-        missing = self._missing(range(self.world_size), grace=1.0)
+        missing = self._stopped_heartbeats() or self._missing(range(self.world_size), grace=1.0)
         aborted = self.abort_message()
         if aborted is not None:
             return ReplicaAborted(f"{aborted}; this worker was released from {self.where}")
