@@ -6,7 +6,8 @@ all-reduced once per bucket. MEAN is a SUM divided by the group size; bool is
 reduced as uint8 with MAX (sum/max = or) or MIN (prod/min = and), never through
 float. Complex PROD (unsupported by the backends) gathers and multiplies in
 worker order. Floating-point groups of three replicas or more go through the
-ordered all-reduce (``ordered.py``) unless the engine says otherwise.
+ordered all-reduce (``ordered.py``) unless the engine says otherwise; a group of
+every replica on several hosts, along a chain of hosts (``chain.py``).
 reduce_scatter is this all-reduce, then each member keeps its chunk.
 
 On workers of one host (one replica each, a group of every replica, floating
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from ...reduce_op import ReduceOp
 from ..base import Call, Kind, Pending, is_inplace, scatter_slice
 from ..reduction import reduce_into
+from .chain import chain_all_reduce, chain_hosts
 from .ordered import ordered_all_reduce
 from .plan import Step, by_worker_set
 
@@ -186,7 +188,11 @@ def _reduced(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
         ordered = [leaf for leaf in range(n_leaves) if eng.ordered_reductions and len(groups[0]) > 2
                    and (ref[leaf].dtype.is_floating_point or ref[leaf].dtype.is_complex)]
         if ordered:
-            ordered_all_reduce(eng, workers, entries, ops, ordered, payloads, outs)
+            hosts = chain_hosts(eng, workers, entries)
+            if hosts is not None:
+                chain_all_reduce(eng, hosts, entries[0], ops[0], ordered, payloads, outs)
+            else:
+                ordered_all_reduce(eng, workers, entries, ops, ordered, payloads, outs)
         # partials[(entry number, leaf)]: reduced over the local members, on the comm device
         partials: dict[tuple[int, int], torch.Tensor] = {}
         for number, entry in enumerate(entries):

@@ -85,6 +85,10 @@ class TorchDistEngine(Engine):
         #: reduce floating point in ascending replica id (exactly the in-process results) rather
         #: than with the backend's ring; matters only for groups of three replicas or more
         self.ordered_reductions = ordered_reductions
+        #: ordered reductions over every replica across hosts go along a chain of hosts
+        #: (``chain.py``); the worker ranks of each host, learnt at the first such call
+        self.chain_reductions = True
+        self.hosts: list[tuple[int, ...]] | None = None
         self.watchdog = Watchdog(self.rank, self.world_size, self.replicas_per_worker, self._timeout,
                                  self.backend)
         self.planner = Planner(self.rank, self.world_size, self.replicas_per_worker, self._timeout)
