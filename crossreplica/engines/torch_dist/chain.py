@@ -41,7 +41,6 @@ import torch.distributed as dist
 from ...reduce_op import ReduceOp
 from ..reduction import reduce_into
 from .gather import gather_fixed
-from .p2p import exchange
 from .plan import GroupPlan
 
 if TYPE_CHECKING:
@@ -50,7 +49,7 @@ if TYPE_CHECKING:
 __all__ = ["PIECE_BYTES", "chain_all_reduce", "chain_hosts", "host_layout"]
 
 #: the size of the pieces a slice travels in between hosts (pipelining; 0: one piece)
-PIECE_BYTES = 1 << 20
+PIECE_BYTES = 256 << 10
 
 Hosts = list[tuple[int, ...]]
 
@@ -107,79 +106,92 @@ def chain_all_reduce(eng: TorchDistEngine, hosts: Hosts, entry: GroupPlan, op: R
 
 def reduce_vectors(eng: TorchDistEngine, hosts: Hosts, op: ReduceOp, vectors: list[torch.Tensor]) -> torch.Tensor:
     """The reduction over every replica of the 1-D ``vectors`` (this worker's replicas',
-    one dtype, the same length everywhere): a new vector on the comm device."""
+    one dtype, the same length everywhere): a new vector on the comm device. Every
+    message is posted at once, piece by piece, so the three steps overlap."""
     h = next(i for i, host in enumerate(hosts) if eng.rank in host)
-    host, me, rank = hosts[h], hosts[h].index(eng.rank), eng.rank
+    host, rank, per_worker = hosts[h], eng.rank, eng.replicas_per_worker
     k_slices, numel, dtype = min(len(x) for x in hosts), vectors[0].numel(), vectors[0].dtype
-    per_worker = eng.replicas_per_worker
-
-    def bounds(k: int) -> tuple[int, int]:
-        return numel * k // k_slices, numel * (k + 1) // k_slices
-
-    # 1. every worker's replicas' part of slice k to the host's owner k
-    sends = {host[k]: [v[bounds(k)[0]:bounds(k)[1]] for v in vectors] for k in range(k_slices) if host[k] != rank}
-    recvs: dict[int, list[Any]] = {}
-    if me < k_slices:
-        lo, hi = bounds(me)
-        recvs = {w: [((hi - lo,), dtype)] * per_worker for w in host if w != rank}
-    inbox = exchange(eng, sends, recvs)
-    final: torch.Tensor | None = None
-    if me < k_slices:
-        lo, hi = bounds(me)
-        rows = [row for w in host for row in ([v[lo:hi] for v in vectors] if w == rank else inbox[w])]
-        final = _fold_along(eng, hosts, h, me, op, rows, hi - lo)
-    # 3. the owners' reduced slices to the host's other workers
-    sends = {w: [final] for w in host if w != rank} if final is not None else {}
-    recvs = {host[k]: [((bounds(k)[1] - bounds(k)[0],), dtype)] for k in range(k_slices) if host[k] != rank}
-    inbox = exchange(eng, sends, recvs)
-    parts = [final if host[k] == rank else inbox[host[k]][0] for k in range(k_slices)]
-    return torch.cat([part for part in parts if part is not None])
-
-
-def _pieces(n: int, dtype: torch.dtype) -> list[tuple[int, int]]:
-    step = max(PIECE_BYTES // dtype.itemsize, 1) if PIECE_BYTES > 0 else max(n, 1)
-    return [(a, min(a + step, n)) for a in range(0, n, step)]
-
-
-def _fold_along(eng: TorchDistEngine, hosts: Hosts, h: int, k: int, op: ReduceOp, rows: list[torch.Tensor],
-                n: int) -> torch.Tensor:
-    """Step 2 for owner ``k`` of host ``h``: continues the fold of the hosts before with
-    ``rows`` (this host's replicas' slice, ascending id), passes it on, and returns the
-    slice reduced over every replica."""
-    prev = hosts[h - 1][k] if h > 0 else None
-    nxt = hosts[h + 1][k] if h + 1 < len(hosts) else None
-    fold_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
-    pieces = _pieces(n, rows[0].dtype)
-    folded = torch.empty(n, dtype=rows[0].dtype, device=eng.comm_device)
-    final = folded if nxt is None else torch.empty_like(folded)
-    if not pieces:
-        return final
-    peers = tuple(p for p in (prev, nxt) if p is not None)
-    fwd_in = torch.empty_like(folded) if prev is not None else None
-    fwd = [dist.irecv(fwd_in[a:b], prev, tag=p) for p, (a, b) in enumerate(pieces)] if fwd_in is not None else []
-    back = [dist.irecv(final[a:b], nxt, tag=p) for p, (a, b) in enumerate(pieces)] if nxt is not None else []
+    out = torch.empty(numel, dtype=dtype, device=eng.comm_device)
+    if not numel:
+        return out
+    starts = [numel * k // k_slices for k in range(k_slices + 1)]
+    pieces = [_pieces(starts[k + 1] - starts[k], dtype) for k in range(k_slices)]
+    me = host.index(rank)
+    owner = me < k_slices
+    prev = hosts[h - 1][me] if owner and h > 0 else None
+    nxt = hosts[h + 1][me] if owner and h + 1 < len(hosts) else None
+    linked = {host[k] for k in range(k_slices)} | (set(host) if owner else set())
+    peers = tuple(sorted((linked | {p for p in (prev, nxt) if p is not None}) - {rank}))
     wait = _waiter(eng, peers)
+    sent, finals = [], []
+    for k in range(k_slices):
+        if host[k] == rank:
+            continue
+        lo = starts[k]
+        for p, (a, b) in enumerate(pieces[k]):  # 3. the reduced slices of the other owners of this host
+            finals.append(dist.irecv(out[lo + a:lo + b], host[k], tag=_FINAL + p))
+            for r, v in enumerate(vectors):  # 1. this worker's replicas' part of slice k, to its owner
+                sent.append(dist.isend(v[lo + a:lo + b], host[k], tag=p * per_worker + r))
+    if owner:
+        sent += _own_slice(eng, host, prev, nxt, op, vectors, out[starts[me]:starts[me + 1]], starts[me],
+                           pieces[me], wait)
+    for work in finals + sent:
+        wait(work)
+    return out
+
+
+_FINAL = 1 << 24  # the tags of reduced pieces (below: a piece's contributions, and the chain's prefixes)
+
+
+def _own_slice(eng: TorchDistEngine, host: tuple[int, ...], prev: int | None, nxt: int | None, op: ReduceOp,
+               vectors: list[torch.Tensor], mine: torch.Tensor, lo: int, pieces: list[tuple[int, int]],
+               wait: Any) -> list[Any]:
+    """Step 2 for this worker's slice (``mine``, at ``lo`` in the vector): continues the
+    fold of the hosts before with this host's replicas (ascending id) piece by piece,
+    passes it on, and sends the reduced pieces to the host's other workers and back down
+    the chain; returns the sends still under way."""
+    rank, per_worker = eng.rank, eng.replicas_per_worker
+    fold_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
+    inbox = {w: [torch.empty_like(mine) for _ in range(per_worker)] for w in host if w != rank}
+    received = {w: [[dist.irecv(inbox[w][r][a:b], w, tag=p * per_worker + r) for r in range(per_worker)]
+                    for p, (a, b) in enumerate(pieces)] for w in inbox}
+    prefix = torch.empty_like(mine) if prev is not None else None
+    ahead = [dist.irecv(prefix[a:b], prev, tag=p) for p, (a, b) in enumerate(pieces)] if prefix is not None else []
+    back = [dist.irecv(mine[a:b], nxt, tag=_FINAL + p) for p, (a, b) in enumerate(pieces)] if nxt is not None else []
+    folded = torch.empty_like(mine) if nxt is not None else mine
     sent = []
+
+    def hand_on(a: int, b: int, p: int) -> None:
+        for w in [*inbox, *([prev] if prev is not None else [])]:
+            sent.append(dist.isend(mine[a:b], w, tag=_FINAL + p))
     for p, (a, b) in enumerate(pieces):
-        xs = [row[a:b] for row in rows]
-        if fwd_in is not None:
-            wait(fwd[p])
-            xs.insert(0, fwd_in[a:b])  # the fold of every replica before this host's: a prefix
+        xs = []
+        if prefix is not None:
+            wait(ahead[p])
+            xs.append(prefix[a:b])  # the fold of every replica before this host's: a prefix
+        for w in host:
+            if w == rank:
+                xs.extend(v[lo + a:lo + b] for v in vectors)
+                continue
+            for work in received[w][p]:
+                wait(work)
+            xs.extend(x[a:b] for x in inbox[w])
         reduce_into(fold_op, folded[a:b], xs)
         if nxt is not None:
             sent.append(dist.isend(folded[a:b], nxt, tag=p))
             continue
         if op is ReduceOp.MEAN:
-            folded[a:b].div_(eng.num_replicas)
-        if prev is not None:
-            sent.append(dist.isend(folded[a:b], prev, tag=p))
+            mine[a:b].div_(eng.num_replicas)
+        hand_on(a, b, p)
     for p, (a, b) in enumerate(pieces if nxt is not None else []):
         wait(back[p])
-        if prev is not None:
-            sent.append(dist.isend(final[a:b], prev, tag=p))
-    for work in sent:
-        wait(work)
-    return final
+        hand_on(a, b, p)
+    return sent
+
+
+def _pieces(n: int, dtype: torch.dtype) -> list[tuple[int, int]]:
+    step = max(PIECE_BYTES // dtype.itemsize, 1) if PIECE_BYTES > 0 else max(n, 1)
+    return [(a, min(a + step, n)) for a in range(0, n, step)]
 
 
 def _waiter(eng: TorchDistEngine, peers: tuple[int, ...]) -> Any:
