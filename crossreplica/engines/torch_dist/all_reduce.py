@@ -119,8 +119,8 @@ def start_gathered_all_reduce(eng: TorchDistEngine, call: Call,
     tensors over every replica as one async all-gather (several local replicas per
     worker, ordered reductions); the wait reduces the gathered rows in ascending
     replica id, the ordered path's bytes, and copies the result into every local
-    replica's tensors. None when the call is not of that form (the caller runs it
-    synchronously)."""
+    replica's tensors. None when the call is not of that form, or goes along a chain of
+    hosts (``chain.py``): the caller runs it synchronously."""
     if (call.kind is not Kind.ALL_REDUCE or not is_inplace(call) or call.params[0] not in (ReduceOp.SUM, ReduceOp.MEAN)
             or not eng.ordered_reductions or eng.world_size < 2 or eng.check_collectives
             or len(call.groups) != 1 or len(call.groups[0]) != eng.num_replicas):
@@ -131,6 +131,8 @@ def start_gathered_all_reduce(eng: TorchDistEngine, call: Call,
     dtype = leaves[0].dtype
     if not all(t.device == eng.comm_device and t.dtype == dtype and t.is_contiguous() for t in leaves):
         return None
+    if chain_hosts(eng, tuple(range(eng.world_size)), eng.planner.plan(call.groups)) is not None:
+        return None  # across hosts the chain's traffic (run now) beats sending every replica's tensors
     local = torch.stack([torch.cat([t.view(-1) for t in row]) for row in payloads])  # [local replicas, n]
     rows = [torch.empty_like(local) for _ in range(eng.world_size)]
     eng.watchdog.count += 1
