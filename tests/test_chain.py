@@ -95,3 +95,55 @@ def test_chain_is_the_left_fold_with_two_replicas_per_worker():
 
 def test_chain_is_the_left_fold_on_three_workers():
     _check(run_workers(_reduce_on_layouts, 3, args=([[[0, 1], [2]], [[0], [1, 2]]],)))
+
+
+def _train_overlapped(strategy: cr.Strategy, hosts: list, chain_on: bool) -> dict:
+    """A few steps of CrossShardOptimizer(overlap=True) (buckets of 8 KiB): along the chain,
+    on its thread during backward, or through ordered.py, run now."""
+    from torch import nn
+
+    from crossreplica.engines.torch_dist import all_reduce, chain
+
+    eng = strategy.extended.engine
+    started, real = [], all_reduce.start_chain
+
+    def counted(*args, **kwargs):
+        started.append(1)
+        return real(*args, **kwargs)
+
+    saved = eng.shared_memory
+    eng.shared_memory, eng.hosts, eng.chain_reductions = None, [tuple(h) for h in hosts], chain_on
+    all_reduce.start_chain, chain.PIECE_BYTES = counted, 4096
+    try:
+        with strategy.scope():
+            torch.manual_seed(0)
+            net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 3))
+            opt = cr.CrossShardOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), overlap=True,
+                                         bytes_per_pack=8 << 10)
+
+        def step(i: int) -> torch.Tensor:
+            rid = cr.get_replica_context().replica_id_in_sync_group
+            g = torch.Generator().manual_seed(100 * i + rid)
+            x, y = torch.randn(8, 32, generator=g) * (rid + 1), torch.randint(0, 3, (8,), generator=g)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            return cr.all_reduce(loss.detach(), "mean")  # a synchronous call after the chains
+        losses = [strategy.experimental_local_results(strategy.run(step, (i,)))[0] for i in range(3)]
+        return {"params": [p.detach().clone() for p in net.parameters()], "losses": losses,
+                "started": len(started)}
+    finally:
+        eng.shared_memory, eng.hosts, eng.chain_reductions = saved, None, True
+        all_reduce.start_chain = real
+
+
+def _both_ways(strategy: cr.Strategy, hosts: list) -> tuple[dict, dict]:
+    return _train_overlapped(strategy, hosts, True), _train_overlapped(strategy, hosts, False)
+
+
+def test_overlapped_buckets_along_the_chain_are_the_ordered_bytes():
+    for on_chain, ordered in run_workers(_both_ways, 4, args=([[0, 1], [2, 3]],)):
+        assert on_chain["started"] >= 6 and ordered["started"] == 0
+        for a, b in zip(on_chain["params"] + on_chain["losses"], ordered["params"] + ordered["losses"]):
+            assert torch.equal(a, b)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ...reduce_op import ReduceOp
 from ..base import Call, Kind, Pending, is_inplace, scatter_slice
 from ..reduction import reduce_into
-from .chain import chain_all_reduce, chain_hosts
+from .chain import chain_all_reduce, chain_hosts, drain, start_chain
 from .ordered import ordered_all_reduce
 from .plan import Step, by_worker_set
 
@@ -85,15 +85,24 @@ def start_all_reduce(eng: TorchDistEngine, call: Call, tensors: list[torch.Tenso
     not of that form (the caller runs it synchronously). The arithmetic is the
     synchronous path's: the backend's SUM, then MEAN divides by the group size.
     Buffers from :meth:`TorchDistEngine.shared_buffer` reduced over every worker take
-    the same-host path instead (``shared_memory.py``), with the same bytes."""
+    the same-host path instead (``shared_memory.py``), with the same bytes; ordered
+    reductions across hosts go along the chain of hosts, on its thread (``chain.py``)."""
     if call.kind is not Kind.ALL_REDUCE or not is_inplace(call) or call.params[0] not in (ReduceOp.SUM, ReduceOp.MEAN):
         return None
     if not all(t.is_contiguous() and t.device == eng.comm_device and t.dtype.is_floating_point for t in tensors):
         return None
     entries = [entry for entry in eng.planner.plan(call.groups) if entry.local]
-    if len(entries) != 1 or len(entries[0].workers) < 2 or (eng.ordered_reductions and len(entries[0].group) > 2):
+    if len(entries) != 1 or len(entries[0].workers) < 2:
         return None
     entry = entries[0]
+    if eng.ordered_reductions and len(entry.group) > 2:
+        hosts = chain_hosts(eng, entry.workers, entries)
+        if hosts is None:
+            return None
+        eng.watchdog.count += 1
+        eng.watchdog.current = call
+        return start_chain(eng, hosts, call.params[0], tensors)
+    drain(eng)
     eng.watchdog.count += 1
     eng.watchdog.current = call
     if eng.shared_memory is not None and len(entry.workers) == eng.world_size:

@@ -33,12 +33,16 @@ import hashlib
 import socket
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from ...errors import CollectiveTimeoutError
 from ...reduce_op import ReduceOp
+from ..base import Pending
 from ..reduction import reduce_into
 from .gather import gather_fixed
 from .plan import GroupPlan
@@ -46,7 +50,7 @@ from .plan import GroupPlan
 if TYPE_CHECKING:
     from .engine import TorchDistEngine
 
-__all__ = ["PIECE_BYTES", "chain_all_reduce", "chain_hosts", "host_layout"]
+__all__ = ["PIECE_BYTES", "chain_all_reduce", "chain_hosts", "drain", "host_layout", "start_chain"]
 
 #: the size of the pieces a slice travels in between hosts (pipelining; 0: one piece)
 PIECE_BYTES = 256 << 10
@@ -203,3 +207,47 @@ def _waiter(eng: TorchDistEngine, peers: tuple[int, ...]) -> Any:
         return lambda work: watchdog.wait(work, ranks)
     deadline = watchdog.await_peers(list(peers), ranks)
     return lambda work: work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+
+
+def start_chain(eng: TorchDistEngine, hosts: Hosts, op: ReduceOp, tensors: list[torch.Tensor]) -> Pending:
+    """Starts the in-place all-reduce of ``tensors`` (one dtype, contiguous, on the comm
+    device) along the chain on the engine's chain thread, so backward goes on while
+    its pieces travel (CrossShardOptimizer(overlap=True)'s buckets). Chains run one at
+    a time in the order started, and the engine drains them (:func:`drain`) before any
+    other cross-process call, so every worker's messages keep one order."""
+    flat = tensors[0].view(-1) if len(tensors) == 1 else torch.cat([t.view(-1) for t in tensors])
+    if eng.chain_pool is None:
+        eng.chain_pool = ThreadPoolExecutor(1, thread_name_prefix="crossreplica-chain")
+    future = eng.chain_pool.submit(reduce_vectors, eng, hosts, op, [flat])
+    eng.chains.append(future)
+
+    def finish() -> list[torch.Tensor]:
+        out, offset = _result(eng, future), 0
+        for t in tensors:
+            t.view(-1).copy_(out[offset:offset + t.numel()])
+            offset += t.numel()
+        return list(tensors)
+    return Pending(finish)
+
+
+def drain(eng: TorchDistEngine) -> None:
+    """Waits for every chain under way (their failures break the engine, as at their own wait)."""
+    while eng.chains:
+        _result(eng, eng.chains[0])
+
+
+def _result(eng: TorchDistEngine, future: Future) -> torch.Tensor:
+    """The chain's result; bounded: each chain ahead of it, and it, by the timeout."""
+    ahead = eng.chains.index(future) + 1 if future in eng.chains else 1
+    try:
+        return eng.settle(lambda: _bounded(future, ahead * eng.watchdog.timeout + 10))
+    finally:
+        if future.done() and future in eng.chains:
+            eng.chains.remove(future)
+
+
+def _bounded(future: Future, seconds: float) -> torch.Tensor:
+    try:
+        return future.result(timeout=seconds)
+    except FutureTimeout:
+        raise CollectiveTimeoutError(f"an all-reduce along the chain of hosts did not finish in {seconds:g}s") from None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from ..base import FINISHED, Call, Engine, Kind, Pending, check_inplace, is_inpl
 from ..buffer_pool import BufferPool
 from .all_reduce import all_reduce, reduce_scatter, start_all_reduce
 from .broadcast import broadcast
+from .chain import drain
 from .gather import all_gather
 from .p2p import all_to_all, permute
 from .plan import Planner, Step
@@ -89,6 +91,9 @@ class TorchDistEngine(Engine):
         #: (``chain.py``); the worker ranks of each host, learnt at the first such call
         self.chain_reductions = True
         self.hosts: list[tuple[int, ...]] | None = None
+        #: the chains under way on the chain thread (overlapped buckets; ``chain.start_chain``)
+        self.chains: list[Future] = []
+        self.chain_pool: ThreadPoolExecutor | None = None
         self.watchdog = Watchdog(self.rank, self.world_size, self.replicas_per_worker, self._timeout,
                                  self.backend)
         self.planner = Planner(self.rank, self.world_size, self.replicas_per_worker, self._timeout)
@@ -197,6 +202,8 @@ class TorchDistEngine(Engine):
         self._broken = ReplicaAborted(f"this worker failed earlier: {message}")
 
     def close(self) -> None:
+        if self.chain_pool is not None:
+            self.chain_pool.shutdown(wait=False, cancel_futures=True)
         self.planner.close()
         if self.shared_memory is not None:
             self.shared_memory.close()
@@ -207,6 +214,7 @@ class TorchDistEngine(Engine):
         """Runs one collective for every local replica (``calls``/``payloads`` in local order)."""
         if self._broken is not None:
             raise self._broken_error(self._broken)
+        drain(self)  # the overlapped chains first: one order of messages on every worker
         watchdog = self.watchdog
         watchdog.count += 1
         call = calls[0]
@@ -250,6 +258,7 @@ class TorchDistEngine(Engine):
         see :meth:`Watchdog.meet`. A failure breaks the engine and releases the others."""
         if self._broken is not None:
             raise self._broken_error(self._broken)
+        drain(self)
         try:
             self.watchdog.meet(what)
         except (CollectiveMismatchError, CollectiveTimeoutError) as e:
@@ -262,6 +271,7 @@ class TorchDistEngine(Engine):
         """Waits (bounded) until every worker reaches the same barrier."""
         if self._broken is not None:
             raise self._broken_error(self._broken)
+        drain(self)
         watchdog = self.watchdog
         watchdog.count += 1
         watchdog.current = what
