@@ -75,11 +75,12 @@ def host_layout(eng: TorchDistEngine) -> Hosts:
 
 def chain_hosts(eng: TorchDistEngine, workers: tuple[int, ...], entries: list[GroupPlan]) -> Hosts | None:
     """The hosts when an ordered reduction of ``entries`` takes the chain: one group of
-    every replica, hosts of consecutive ranks, at least two of them and one holding
-    several replicas; else None (the caller takes ``ordered.py``). Every worker of the
+    every replica on gloo (messages matched by tag; NCCL matches them in posting order),
+    hosts of consecutive ranks, at least two of them and one holding several replicas;
+    else None (the caller takes ``ordered.py``). Every worker of the
     set decides the same way (learning the layout is collective)."""
-    if (not eng.chain_reductions or len(entries) != 1 or workers != tuple(range(eng.world_size))
-            or len(entries[0].group) != eng.num_replicas):
+    if (not eng.chain_reductions or eng.backend != "gloo" or len(entries) != 1
+            or workers != tuple(range(eng.world_size)) or len(entries[0].group) != eng.num_replicas):
         return None
     hosts = host_layout(eng)
     if len(hosts) < 2 or eng.num_replicas <= len(hosts):
