@@ -12,6 +12,7 @@ Skipped, with the reason, where namespaces cannot be made (not root, no iproute2
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -292,3 +293,70 @@ def test_the_script_runs_a_command_on_every_host_and_leaves_nothing():
     assert lines[0].split()[2] == lines[1].split()[2]  # {addr1}: the same address on both
     after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     assert after == before
+
+
+_CHAIN = """
+import os, sys
+import torch
+import crossreplica as cr
+from crossreplica.engines.torch_dist import all_reduce as ar
+s = cr.MultiWorkerMirroredStrategy(replicas_per_worker=int(sys.argv[1]), timeout_seconds=60)
+used, real = [], ar.chain_all_reduce
+ar.chain_all_reduce = lambda *a, **k: (used.append(1), real(*a, **k))[1]
+def value(rid, n, dtype):
+    g = torch.Generator().manual_seed(rid)
+    x = torch.randn(n, generator=g, dtype=torch.float64)
+    return (x * torch.exp(3 * torch.randn(n, generator=g, dtype=torch.float64))).to(dtype)
+def rid():
+    return cr.get_replica_context().replica_id_in_sync_group
+def tx():
+    for line in open("/proc/net/dev"):
+        name, _, rest = line.partition(":")
+        if name.strip() == "eth0":
+            return int(rest.split()[8])
+replicas, ok = s.num_replicas_in_sync, True
+for dtype in (torch.float32, torch.float64):
+    for op in ("sum", "mean"):
+        out = s.experimental_local_results(s.run(lambda: cr.all_reduce(value(rid(), 1001, dtype), op)))
+        want = value(0, 1001, dtype)
+        for r in range(1, replicas):
+            want = want + value(r, 1001, dtype)
+        want = want / replicas if op == "mean" else want
+        ok = ok and all(torch.equal(o, want) for o in out)
+n = 1 << 20
+s.extended.engine.barrier()
+before = tx()
+s.run(lambda: cr.all_reduce(value(rid(), n, torch.float32)))
+s.extended.engine.barrier()
+print(f"RESULT ok={ok} chain={len(used)} hosts={s.extended.engine.hosts} sent={(tx() - before) / (4 * n):.2f}",
+      flush=True)
+"""
+
+
+@pytest.mark.parametrize("per_host, replicas_per_worker", [(2, 1), (1, 2)], ids=["2x2", "2x1x2-replicas"])
+def test_ordered_reductions_cross_each_host_boundary_once_each_way(per_host, replicas_per_worker):
+    """Across hosts the ordered all-reduce goes along the chain of hosts (engines/torch_dist/chain.py):
+    bitwise the left fold in replica order, and each host sends the vector about once (the ordered
+    all-reduce of ordered.py sent it twice: every replica's share, then every chunk to each peer)."""
+    with SimulatedHosts(2) as hosts:
+        endpoint = f"{hosts.addresses[0]}:{_port()}"
+        script = os.path.join(tempfile.mkdtemp(prefix="crossreplica-chain-", dir="/var/tmp"), "chain.py")
+        with open(script, "w") as f:
+            f.write(_CHAIN)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc-per-node={per_host}",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={secrets.token_hex(8)}", script,
+               str(replicas_per_worker)]
+        env = _env()
+        procs = [hosts.start(h, cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True) for h in range(2)]
+        outs = _wait_all(procs, timeout=180)
+    os.remove(script)
+    os.rmdir(os.path.dirname(script))
+    assert all(p.returncode == 0 for p in procs), outs
+    layout = "[(0, 1), (2, 3)]" if per_host == 2 else "[(0,), (1,)]"
+    # the workers of a host share one pipe: their lines may run together
+    results = [m for out in outs for m in re.findall(r"RESULT ok=(\w+) chain=(\d+) hosts=(\[[^\]]*\]) sent=(\d+\.\d\d)", out)]
+    assert len(results) == 2 * per_host, outs
+    for ok, chain, layout_seen, sent in results:
+        assert (ok, chain, layout_seen) == ("True", "5", layout), results
+        assert float(sent) < 1.3, results  # the vector once per host (plus headers)

@@ -213,8 +213,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--debian-loopback", action="store_true",
                         help="each host's own name resolves to 127.0.1.1, as Debian's /etc/hosts has it")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ...")
-    args = parser.parse_args(argv)
-    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)  # options after N too (REMAINDER would take them)
+    args = parser.parse_args(argv[:split])
+    cmd = argv[split + 1:] or args.cmd
     if not cmd:
         parser.error("no command given after --")
     reason = available()

@@ -6,7 +6,8 @@ all-reduced once per bucket. MEAN is a SUM divided by the group size; bool is
 reduced as uint8 with MAX (sum/max = or) or MIN (prod/min = and), never through
 float. Complex PROD (unsupported by the backends) gathers and multiplies in
 worker order. Floating-point groups of three replicas or more go through the
-ordered all-reduce (``ordered.py``) unless the engine says otherwise.
+ordered all-reduce (``ordered.py``) unless the engine says otherwise; a group of
+every replica on several hosts, along a chain of hosts (``chain.py``).
 reduce_scatter is this all-reduce, then each member keeps its chunk.
 
 On workers of one host (one replica each, a group of every replica, floating
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from ...reduce_op import ReduceOp
 from ..base import Call, Kind, Pending, is_inplace, scatter_slice
 from ..reduction import reduce_into
+from .chain import chain_all_reduce, chain_hosts, drain, start_chain
 from .ordered import ordered_all_reduce
 from .plan import Step, by_worker_set
 
@@ -83,15 +85,24 @@ def start_all_reduce(eng: TorchDistEngine, call: Call, tensors: list[torch.Tenso
     not of that form (the caller runs it synchronously). The arithmetic is the
     synchronous path's: the backend's SUM, then MEAN divides by the group size.
     Buffers from :meth:`TorchDistEngine.shared_buffer` reduced over every worker take
-    the same-host path instead (``shared_memory.py``), with the same bytes."""
+    the same-host path instead (``shared_memory.py``), with the same bytes; ordered
+    reductions across hosts go along the chain of hosts, on its thread (``chain.py``)."""
     if call.kind is not Kind.ALL_REDUCE or not is_inplace(call) or call.params[0] not in (ReduceOp.SUM, ReduceOp.MEAN):
         return None
     if not all(t.is_contiguous() and t.device == eng.comm_device and t.dtype.is_floating_point for t in tensors):
         return None
     entries = [entry for entry in eng.planner.plan(call.groups) if entry.local]
-    if len(entries) != 1 or len(entries[0].workers) < 2 or (eng.ordered_reductions and len(entries[0].group) > 2):
+    if len(entries) != 1 or len(entries[0].workers) < 2:
         return None
     entry = entries[0]
+    if eng.ordered_reductions and len(entry.group) > 2:
+        hosts = chain_hosts(eng, entry.workers, entries)
+        if hosts is None:
+            return None
+        eng.watchdog.count += 1
+        eng.watchdog.current = call
+        return start_chain(eng, hosts, call.params[0], tensors)
+    drain(eng)
     eng.watchdog.count += 1
     eng.watchdog.current = call
     if eng.shared_memory is not None and len(entry.workers) == eng.world_size:
@@ -117,8 +128,8 @@ def start_gathered_all_reduce(eng: TorchDistEngine, call: Call,
     tensors over every replica as one async all-gather (several local replicas per
     worker, ordered reductions); the wait reduces the gathered rows in ascending
     replica id, the ordered path's bytes, and copies the result into every local
-    replica's tensors. None when the call is not of that form (the caller runs it
-    synchronously)."""
+    replica's tensors. None when the call is not of that form, or goes along a chain of
+    hosts (``chain.py``): the caller runs it synchronously."""
     if (call.kind is not Kind.ALL_REDUCE or not is_inplace(call) or call.params[0] not in (ReduceOp.SUM, ReduceOp.MEAN)
             or not eng.ordered_reductions or eng.world_size < 2 or eng.check_collectives
             or len(call.groups) != 1 or len(call.groups[0]) != eng.num_replicas):
@@ -129,6 +140,8 @@ def start_gathered_all_reduce(eng: TorchDistEngine, call: Call,
     dtype = leaves[0].dtype
     if not all(t.device == eng.comm_device and t.dtype == dtype and t.is_contiguous() for t in leaves):
         return None
+    if chain_hosts(eng, tuple(range(eng.world_size)), eng.planner.plan(call.groups)) is not None:
+        return None  # across hosts the chain's traffic (run now) beats sending every replica's tensors
     local = torch.stack([torch.cat([t.view(-1) for t in row]) for row in payloads])  # [local replicas, n]
     rows = [torch.empty_like(local) for _ in range(eng.world_size)]
     eng.watchdog.count += 1
@@ -186,7 +199,11 @@ def _reduced(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
         ordered = [leaf for leaf in range(n_leaves) if eng.ordered_reductions and len(groups[0]) > 2
                    and (ref[leaf].dtype.is_floating_point or ref[leaf].dtype.is_complex)]
         if ordered:
-            ordered_all_reduce(eng, workers, entries, ops, ordered, payloads, outs)
+            hosts = chain_hosts(eng, workers, entries)
+            if hosts is not None:
+                chain_all_reduce(eng, hosts, entries[0], ops[0], ordered, payloads, outs)
+            else:
+                ordered_all_reduce(eng, workers, entries, ops, ordered, payloads, outs)
         # partials[(entry number, leaf)]: reduced over the local members, on the comm device
         partials: dict[tuple[int, int], torch.Tensor] = {}
         for number, entry in enumerate(entries):

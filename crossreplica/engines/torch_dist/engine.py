@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from ..base import FINISHED, Call, Kind, Pending, WorkerEngine, check_inplace, i
 from ..buffer_pool import BufferPool
 from .all_reduce import all_reduce, reduce_scatter, start_all_reduce
 from .broadcast import broadcast
+from .chain import drain
 from .gather import all_gather
 from .p2p import all_to_all, permute
 from .plan import Planner, Step
@@ -85,6 +87,13 @@ class TorchDistEngine(WorkerEngine):
         #: reduce floating point in ascending replica id (exactly the in-process results) rather
         #: than with the backend's ring; matters only for groups of three replicas or more
         self.ordered_reductions = ordered_reductions
+        #: ordered reductions over every replica across hosts go along a chain of hosts
+        #: (``chain.py``); the worker ranks of each host, learnt at the first such call
+        self.chain_reductions = True
+        self.hosts: list[tuple[int, ...]] | None = None
+        #: the chains under way on the chain thread (overlapped buckets; ``chain.start_chain``)
+        self.chains: list[Future] = []
+        self.chain_pool: ThreadPoolExecutor | None = None
         self.watchdog = Watchdog(self.rank, self.world_size, self.replicas_per_worker, self._timeout,
                                  self.backend)
         self.planner = Planner(self.rank, self.world_size, self.replicas_per_worker, self._timeout)
@@ -201,6 +210,8 @@ class TorchDistEngine(WorkerEngine):
         self._broken = ReplicaAborted(f"this worker failed earlier: {message}")
 
     def close(self) -> None:
+        if self.chain_pool is not None:
+            self.chain_pool.shutdown(wait=False, cancel_futures=True)
         self.planner.close()
         self.watchdog.close()
         if self.shared_memory is not None:
@@ -212,6 +223,7 @@ class TorchDistEngine(WorkerEngine):
         """Runs one collective for every local replica (``calls``/``payloads`` in local order)."""
         if self._broken is not None:
             raise self._broken_error(self._broken)
+        drain(self)  # the overlapped chains first: one order of messages on every worker
         watchdog = self.watchdog
         watchdog.count += 1
         call = calls[0]
@@ -244,6 +256,7 @@ class TorchDistEngine(WorkerEngine):
         see :meth:`Watchdog.meet`. A failure breaks the engine and releases the others."""
         if self._broken is not None:
             raise self._broken_error(self._broken)
+        drain(self)
         with self._failures(announce=True):
             self.watchdog.meet(what)
 
@@ -251,6 +264,7 @@ class TorchDistEngine(WorkerEngine):
         """Waits (bounded) until every worker reaches the same barrier."""
         if self._broken is not None:
             raise self._broken_error(self._broken)
+        drain(self)
         watchdog = self.watchdog
         watchdog.count += 1
         watchdog.current = what

@@ -1,0 +1,190 @@
+"""Data-parallel training step across simulated hosts with a limited link: crossreplica vs DDP.
+
+    sudo PYTHONPATH=$PWD python benchmarks/hosts.py [--rates 1gbit 200mbit] [--per-host 1 2] [--steps 12]
+
+Two simulated hosts (``crossreplica.testing.hosts``: network namespaces on a
+bridge, each host's link limited by a ``tc`` token bucket, both ways), 1 or 2
+worker processes per host (RANK, MASTER_ADDR, ...), one intra-op thread each. Every step
+trains the same model on the same per-replica batches with each variant in
+turn: torch DDP (its default 25 MiB buckets, overlapped with backward), and
+CrossShardOptimizer reducing after backward or with ``overlap=True``. With 3
+replicas or more the reduction is the ordered (deterministic) one, along the
+chain of hosts (``engines/torch_dist/chain.py``); for comparison, the same
+without pipelining (the chain's slices in one piece), the ordered all-reduce
+it replaces (``ordered.py``), and the backend's ring (``ordered_reductions=False``,
+not deterministic across layouts). Medians over the steps after warm-up, and
+the bytes each step sent across hosts (the hosts' ``eth0`` transmit counters,
+``/proc/net/dev``, summed over both hosts; the store's and barrier's small
+messages included). Needs root (``crossreplica.testing.hosts.available``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DROPPED = 3  # first steps left out of the medians (warm-up)
+
+
+def tx_bytes() -> int:
+    """Bytes this host (network namespace) has sent on eth0, its link to the other hosts."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == "eth0":
+                return int(rest.split()[8])
+    return 0
+
+
+def worker(steps: int, width: int, rows: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    import crossreplica as cr
+    from crossreplica.engines.torch_dist import chain
+
+    strategy = cr.MultiWorkerMirroredStrategy(timeout_seconds=600)
+    rank, world = strategy.extended.worker_rank, dist.get_world_size()
+    first_on_host = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    torch.set_num_threads(1)
+    engine = strategy.extended.engine
+    loss_fn = torch.nn.functional.cross_entropy
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(256, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                             nn.Linear(width, 10))
+
+    def ours(overlap: bool, **engine_settings: Any) -> tuple[nn.Module, Callable[[Any, Any], None]]:
+        net = make()
+        opt = cr.CrossShardOptimizer(torch.optim.SGD(net.parameters(), lr=0.01), overlap=overlap)
+
+        def step_fn(x: Any, y: Any) -> None:
+            opt.zero_grad()
+            loss_fn(net(x), y).backward()
+            opt.step()
+
+        def run(x: Any, y: Any) -> None:
+            saved = {k: getattr(engine, k) for k in ("chain_reductions", "ordered_reductions")}
+            saved_piece = chain.PIECE_BYTES
+            for k, v in engine_settings.items():
+                if k == "piece_bytes":
+                    chain.PIECE_BYTES = v
+                else:
+                    setattr(engine, k, v)
+            try:
+                strategy.run(step_fn, (x, y))
+            finally:
+                for k, v in saved.items():
+                    setattr(engine, k, v)
+                chain.PIECE_BYTES = saved_piece
+        return net, run
+
+    ddp = DistributedDataParallel(make())
+    dopt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+
+    def ddp_step(x: Any, y: Any) -> None:
+        dopt.zero_grad()
+        loss_fn(ddp(x), y).backward()
+        dopt.step()
+
+    nets: dict[str, nn.Module] = {"torch DDP": ddp.module}
+    variants: dict[str, Callable[[Any, Any], None]] = {"torch DDP": ddp_step}
+    sides = [("crossreplica, reduce after backward", False, {}), ("crossreplica, overlap=True", True, {})]
+    if world > 2:  # the ordered path (3 replicas or more)
+        sides += [("  chain in one piece (no pipelining), after backward", False, {"piece_bytes": 0}),
+                  ("  before: ordered.py, after backward", False, {"chain_reductions": False}),
+                  ("  before: ordered.py, overlap=True", True, {"chain_reductions": False}),
+                  ("  backend ring (ordered_reductions=False), after backward", False,
+                   {"ordered_reductions": False})]
+    for name, overlap, settings in sides:
+        nets[name], variants[name] = ours(overlap, **settings)
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    sent: dict[str, list[int]] = {k: [] for k in variants}
+    for s in range(steps):
+        g = torch.Generator().manual_seed(s * 1000 + rank)
+        x, y = torch.randn(rows, 256, generator=g), torch.randint(0, 10, (rows,), generator=g)
+        for name, fn in variants.items():
+            dist.barrier()
+            before = tx_bytes()
+            t0 = time.perf_counter()
+            fn(x, y)
+            times[name].append(time.perf_counter() - t0)
+            dist.barrier()
+            sent[name].append(tx_bytes() - before if first_on_host else 0)
+    per_worker: list[Any] = [None] * world
+    dist.all_gather_object(per_worker, sent)
+    if rank == 0:
+        n = sum(p.numel() for p in ddp.module.parameters())
+        base = statistics.median(times["torch DDP"][DROPPED:])
+        cross = {name: statistics.median([sum(w[name][i] for w in per_worker) for i in range(DROPPED, steps)])
+                 for name in variants}
+        print(f"MLP 256-{width}-{width}-10: {n} params ({n * 4 / 2**20:.1f} MiB of gradients), {world} workers, "
+              f"{rows} rows each, {steps} steps (first {DROPPED} dropped), variants interleaved per step")
+        print("| path | median step | vs DDP | sent across hosts per step | vs DDP |\n|---|---|---|---|---|")
+        for name, ts in times.items():
+            med = statistics.median(ts[DROPPED:])
+            print(f"| {name.strip()} | {med * 1e3:.1f} ms | {med / base:.2f} | {cross[name] / 2**20:.1f} MiB | "
+                  f"{cross[name] / cross['torch DDP']:.2f} |")
+        ref = nets["crossreplica, reduce after backward"]
+        same = {name: all(torch.equal(a, b) for a, b in zip(ref.parameters(), net.parameters()))
+                for name, net in nets.items() if name != "torch DDP" and "ring" not in name}
+        print("final parameters bitwise those of reduce after backward: "
+              + ", ".join(f"{name.strip()}: {'yes' if ok else 'NO'}" for name, ok in same.items()), flush=True)
+    strategy.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rates", nargs="+", default=["1gbit", "200mbit"], help="link rates (tc), e.g. 1gbit")
+    p.add_argument("--per-host", nargs="+", type=int, default=[1, 2], help="worker processes per host")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--width", type=int, default=2200, help="MLP width (2200: ~20 MiB of gradients)")
+    p.add_argument("--rows", type=int, default=16, help="rows per replica and step")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        worker(a.steps, a.width, a.rows)
+        return
+    from crossreplica.testing.hosts import SimulatedHosts, available
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the hosts are removed on the way out
+    reason = available()
+    if reason is not None:
+        raise SystemExit(f"benchmarks/hosts.py: {reason}")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CROSSREPLICA_JOB_SECRET=secrets.token_hex(16),
+               PYTHONPATH=REPO + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
+    for rate in a.rates:
+        for per_host in a.per_host:
+            print(f"\n### 2 hosts x {per_host} process(es), link {rate}\n", flush=True)
+            with SimulatedHosts(2, rate=rate) as hosts, tempfile.TemporaryFile("w+") as log:
+                # Launched directly (the torch.distributed environment per process), not by torchrun:
+                # its agents' store connections broke under a saturated link, and they then wait 300 s.
+                job = {**env, "MASTER_ADDR": hosts.addresses[0], "MASTER_PORT": str(20000 + secrets.randbelow(20000)),
+                       "WORLD_SIZE": str(2 * per_host)}
+                cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--steps", str(a.steps),
+                       "--width", str(a.width), "--rows", str(a.rows)]
+                procs = [hosts.start(h, cmd, env={**job, "RANK": str(h * per_host + i), "LOCAL_RANK": str(i)},
+                                     cwd=REPO, stdout=None if h == i == 0 else log, stderr=subprocess.STDOUT)
+                         for h in range(2) for i in range(per_host)]
+                codes = [proc.wait(timeout=1800) for proc in procs]
+                if any(codes):
+                    log.seek(0)
+                    print(log.read()[-5000:], file=sys.stderr)
+                    raise SystemExit(f"benchmarks/hosts.py: the workers exited with {codes}")
+
+
+if __name__ == "__main__":
+    main()
