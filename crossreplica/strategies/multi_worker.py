@@ -32,7 +32,7 @@ from .. import nest, settings
 from ..arguments import check_int
 from ..cross_device_ops import CommunicationOptions
 from ..devices import canonical_device
-from ..engines.base import Call, Kind
+from ..engines.base import AllGatherParams, AllReduceParams, BroadcastParams, Call, Kind
 from ..engines.hierarchical import HierarchicalEngine
 from ..engines.sparse import reduce_gathered, sparse_leaves
 from ..engines.torch_dist import TorchDistEngine
@@ -132,14 +132,14 @@ class MultiWorkerExtended(StrategyExtended):
         scale = mean_scale(op, self.num_replicas_in_sync, dtype)
         if scale is not None:
             xs = [x * (1.0 / scale) for x in xs]
-        calls = [Call.of(Kind.ALL_REDUCE, self._world(), (op,), [x]) for x in xs]
+        calls = [Call.of(Kind.ALL_REDUCE, self._world(), AllReduceParams(op), [x]) for x in xs]
         out = self.engine.process(calls, [[x] for x in xs])[0][0]
         return from_wire(op, out if scale is None else out * scale, dtype)
 
     def _reduce_sparse_values(self, op: ReduceOp, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Sparse COO: every replica's (indices, values) gathered, reduced in replica order."""
         leaves = [sparse_leaves([t], t.device) for t in tensors]
-        calls = [Call.of(Kind.ALL_GATHER, self._world(), ((0,) * len(ls),), ls) for ls in leaves]
+        calls = [Call.of(Kind.ALL_GATHER, self._world(), AllGatherParams((0,) * len(ls)), ls) for ls in leaves]
         gathered = self.engine.process(calls, leaves)[0]
         world = self._world()[0]
         return reduce_gathered(op, gathered, world, self.local_replica_ids[0], tensors[:1])[0]
@@ -151,7 +151,7 @@ class MultiWorkerExtended(StrategyExtended):
         dtype = tensors[0].dtype
         xs = [to_wire(None, t.unsqueeze(0) if t.dim() == 0 else t) for t in tensors]
         axis = axis % xs[0].dim()
-        calls = [Call.of(Kind.ALL_GATHER, self._world(), ((axis,),), [x]) for x in xs]
+        calls = [Call.of(Kind.ALL_GATHER, self._world(), AllGatherParams((axis,)), [x]) for x in xs]
         return from_wire(None, self.engine.process(calls, [[x] for x in xs])[0][0], dtype)
 
     def broadcast_values(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -160,7 +160,7 @@ class MultiWorkerExtended(StrategyExtended):
             return super().broadcast_values(tensors)
         dtype = tensors[0].dtype
         xs = [to_wire(None, x) for x in tensors]  # unsigned ints travel as signed ones
-        calls = [Call.of(Kind.BROADCAST, self._world(), (0,), [x]) for x in xs]
+        calls = [Call.of(Kind.BROADCAST, self._world(), BroadcastParams(0), [x]) for x in xs]
         return from_wire(None, self.engine.process(calls, [[x] for x in xs])[0][0], dtype)
 
     def broadcast_initial_state(self, mirrored: Any) -> Any:
@@ -178,7 +178,7 @@ class MultiWorkerExtended(StrategyExtended):
                              f"tensors); build it with strategy.mirror")
         if not per_copy[0]:
             return mirrored
-        calls = [Call.of(Kind.BROADCAST, self._world(), (0,), ts) for ts in per_copy]
+        calls = [Call.of(Kind.BROADCAST, self._world(), BroadcastParams(0), ts) for ts in per_copy]
         outs = self.engine.process(calls, per_copy)
         with torch.no_grad():
             for ts, news in zip(per_copy, outs):
