@@ -60,7 +60,7 @@ def worker(sizes: list[int], rpw: int, out_path: str, ordered: bool) -> None:
     import torch.distributed as dist
 
     import crossreplica as cr
-    from crossreplica.engines.base import INPLACE, Call, Kind
+    from crossreplica.engines.base import AllReduceParams, Call, Kind
     from crossreplica.reduce_op import ReduceOp
 
     strategy = cr.MultiWorkerMirroredStrategy(rpw, timeout_seconds=600, ordered_reductions=ordered)
@@ -77,7 +77,8 @@ def worker(sizes: list[int], rpw: int, out_path: str, ordered: bool) -> None:
         buf = torch.ones(n)
         shared = engine.shared_buffer(n, torch.float32, torch.device("cpu")) if rpw == 1 else None
         if shared is not None:
-            call = Call.of(Kind.ALL_REDUCE, (tuple(range(engine.num_replicas)),), (ReduceOp.SUM, INPLACE), [shared])
+            call = Call.of(Kind.ALL_REDUCE, (tuple(range(engine.num_replicas)),),
+                           AllReduceParams(ReduceOp.SUM, inplace=True), [shared])
 
             def shared_call(shared: torch.Tensor = shared, buf: torch.Tensor = buf, call: Call = call) -> None:
                 shared.copy_(buf)  # the gradient into the bucket, as the optimizer's hook does

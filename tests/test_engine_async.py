@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import crossreplica as cr
-from crossreplica.engines.base import INPLACE, Call, Kind
+from crossreplica.engines.base import AllReduceParams, Call, Kind
 from crossreplica.engines.wire import start_on_wire
 from crossreplica.reduce_op import ReduceOp
 
@@ -21,7 +21,7 @@ def _start(x: torch.Tensor, op: ReduceOp = ReduceOp.MEAN):
     rctx = cr.get_replica_context()
     groups = (tuple(range(rctx.num_replicas_in_sync)),)
     return start_on_wire(rctx.engine, rctx.replica_id_in_sync_group,
-                         Call.of(Kind.ALL_REDUCE, groups, (op, INPLACE), [x]), [x])
+                         Call.of(Kind.ALL_REDUCE, groups, AllReduceParams(op, inplace=True), [x]), [x])
 
 
 def _several(xs, op, wait_order):

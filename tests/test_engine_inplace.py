@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import crossreplica as cr
-from crossreplica.engines.base import INPLACE, Call, Kind
+from crossreplica.engines.base import AllReduceParams, Call, Kind
 from crossreplica.reduce_op import ReduceOp
 
 _FOLD = {ReduceOp.SUM: torch.add, ReduceOp.MEAN: torch.add, ReduceOp.MAX: torch.maximum}
@@ -15,7 +15,7 @@ _FOLD = {ReduceOp.SUM: torch.add, ReduceOp.MEAN: torch.add, ReduceOp.MAX: torch.
 def _inplace(x, op, groups):
     rctx = cr.get_replica_context()
     y = x.clone()
-    out = rctx.engine.execute(rctx.replica_id_in_sync_group, Call.of(Kind.ALL_REDUCE, groups, (op, INPLACE), [y]), [y])
+    out = rctx.engine.execute(rctx.replica_id_in_sync_group, Call.of(Kind.ALL_REDUCE, groups, AllReduceParams(op, inplace=True), [y]), [y])
     return out[0] is y, y, x
 
 
@@ -41,7 +41,7 @@ def _inplace_strided(x):
     rctx = cr.get_replica_context()
     y = x.t()
     rctx.engine.execute(rctx.replica_id_in_sync_group,
-                        Call.of(Kind.ALL_REDUCE, (tuple(range(rctx.num_replicas_in_sync)),), (ReduceOp.SUM, INPLACE), [y]), [y])
+                        Call.of(Kind.ALL_REDUCE, (tuple(range(rctx.num_replicas_in_sync)),), AllReduceParams(ReduceOp.SUM, inplace=True), [y]), [y])
 
 
 def test_inplace_all_reduce_rejects_non_contiguous_inputs(run_replicas):

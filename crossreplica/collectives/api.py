@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from ..context import ReplicaContext, require_replica_context
-from ..engines.base import Kind
+from ..engines.kinds import (AllReduceParams, AllToAllParams, BroadcastParams, Kind, PermuteParams,
+                             ReduceScatterParams)
 from ..errors import summarize
 from ..groups import Groups, Mesh, canonical_groups, contiguous_groups, mesh_groups, resolve_groups
 from ..reduce_op import ReduceOp, check_dtype
@@ -48,6 +49,8 @@ __all__ = [
 # --------------------------------------------------------------------------- plumbing
 
 _is_compiling = torch.compiler.is_compiling
+# One record per op, built once: the common call then builds no parameter record.
+_ALL_REDUCE = {op: AllReduceParams(op) for op in ReduceOp}
 
 
 def _context(api: str) -> ReplicaContext | None:
@@ -68,7 +71,7 @@ def _groups(rctx: ReplicaContext | None, group_assignment: Any, mesh: Mesh | Non
     return resolve_groups(n, group_assignment, mesh, axes)
 
 
-def _execute(rctx: ReplicaContext | None, kind: Kind, groups: Groups, params: tuple,
+def _execute(rctx: ReplicaContext | None, kind: Kind, groups: Groups, params: Any,
              tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     if rctx is None:
         return compiled.execute(kind, groups, params, tensors)
@@ -92,7 +95,7 @@ def all_reduce(x: Nest, op: ReduceOp | str = "sum", group_assignment: GroupAssig
         op = ReduceOp.from_any(op)
         check_dtype(op, x.dtype)
         return autodiff.execute_one(here, Kind.ALL_REDUCE, canonical_groups(None, here.num_replicas_in_sync),
-                                    (op,), x)
+                                    _ALL_REDUCE[op], x)
     rctx = _context("cr.all_reduce")
     op = ReduceOp.from_any(op)
     groups = _groups(rctx, group_assignment, mesh, axes)
@@ -105,7 +108,7 @@ def all_reduce(x: Nest, op: ReduceOp | str = "sum", group_assignment: GroupAssig
             sparse = True
     if sparse:
         return leaves.repack(_all_reduce_with_sparse(rctx, op, groups, leaves.tensors))
-    return leaves.repack(_execute(rctx, Kind.ALL_REDUCE, groups, (op,), leaves.tensors))
+    return leaves.repack(_execute(rctx, Kind.ALL_REDUCE, groups, _ALL_REDUCE[op], leaves.tensors))
 
 
 def _all_reduce_with_sparse(rctx: ReplicaContext | None, op: ReduceOp, groups: Groups,
@@ -118,7 +121,8 @@ def _all_reduce_with_sparse(rctx: ReplicaContext | None, op: ReduceOp, groups: G
     coo = [i for i, t in enumerate(tensors) if t.layout is not torch.strided]
     outs: list[Any] = [None] * len(tensors)
     if dense:
-        for i, o in zip(dense, _execute(rctx, Kind.ALL_REDUCE, groups, (op,), [tensors[i] for i in dense])):
+        outs_dense = _execute(rctx, Kind.ALL_REDUCE, groups, AllReduceParams(op), [tensors[i] for i in dense])
+        for i, o in zip(dense, outs_dense):
             outs[i] = o
     for i, o in zip(coo, all_reduce_sparse(rctx, op, groups, [tensors[i] for i in coo])):
         outs[i] = o
@@ -201,7 +205,8 @@ def reduce_scatter(x: Nest, op: ReduceOp | str = "sum", dim: int = 0, group_assi
                 f"{api}: x.shape[{d}]={t.shape[d]} (shape {list(t.shape)}) must be divisible "
                 f"by the group size {k}")
         dims.append(d)
-    return leaves.repack(_execute(rctx, Kind.REDUCE_SCATTER, groups, (op, tuple(dims), None), leaves.tensors))
+    return leaves.repack(_execute(rctx, Kind.REDUCE_SCATTER, groups, ReduceScatterParams(op, tuple(dims)),
+                                        leaves.tensors))
 
 
 # --------------------------------------------------------------------------- data movement
@@ -288,7 +293,7 @@ def all_to_all(x: Nest, split_dim: int | None = None, concat_dim: int | None = N
                 f"by the group size {k}, or pass input_split_sizes and output_split_sizes")
         sds.append(sd)
         cds.append(cd)
-    params = (tuple(sds), tuple(cds), in_splits, out_splits)
+    params = AllToAllParams(tuple(sds), tuple(cds), in_splits, out_splits)
     return leaves.repack(_execute(rctx, Kind.ALL_TO_ALL, groups, params, leaves.tensors))
 
 
@@ -325,7 +330,7 @@ def broadcast(x: Nest, source: int = 0, group_assignment: GroupAssignment = None
         raise ValueError(
             f"{api}: source must be a position in the group, an int in [0, {k}); got {summarize(source)}")
     leaves = tensor_leaves(x, api, rctx)
-    return leaves.repack(_execute(rctx, Kind.BROADCAST, groups, (src,), leaves.tensors))
+    return leaves.repack(_execute(rctx, Kind.BROADCAST, groups, BroadcastParams(src), leaves.tensors))
 
 
 def collective_permute(x: Nest, source_target_pairs: Sequence[Sequence[int]] | None = None, *,
@@ -368,7 +373,8 @@ def collective_permute(x: Nest, source_target_pairs: Sequence[Sequence[int]] | N
             within = _canonical_pairs(source_target_pairs, m)
         pairs = tuple(sorted((g[a], g[b]) for g in groups for a, b in within))
     leaves = tensor_leaves(x, api, rctx)
-    return leaves.repack(_execute(rctx, Kind.PERMUTE, (tuple(range(n)),), (pairs,), leaves.tensors))
+    return leaves.repack(_execute(rctx, Kind.PERMUTE, (tuple(range(n)),), PermuteParams(pairs),
+                                        leaves.tensors))
 
 
 def _canonical_pairs(pairs: Any, n: int) -> tuple[tuple[int, int], ...]:

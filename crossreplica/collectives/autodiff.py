@@ -2,8 +2,8 @@
 
 Eagerly, a collective is one engine call (:func:`raw`); when autograd or a
 functorch transform (``torch.vmap``) needs to see it, it goes through
-:class:`Collective`, whose backward is the dual collective, stated here beside
-the forward:
+:class:`Collective`, whose backward is the dual collective: each kind's
+``Spec.dual`` in ``engines/kinds.py``, summed up here:
 
 ================================  ==========================================
 forward                           backward (the transpose, on the cotangents)
@@ -24,7 +24,7 @@ collective_permute(pairs)         collective_permute(inverted pairs)
 Every backward is written with the differentiable collectives themselves
 (``run``), so a backward taken with ``create_graph=True`` is differentiable
 again: gradient penalties and meta-learning get second (and higher) order
-gradients, through the same table. ``torch.compile`` uses the same table
+gradients, through the same rules. ``torch.compile`` uses the same rules
 (``compiled.py``), with the collectives as custom operators.
 
 Invariant: every member of a group runs the same backward collectives (a
@@ -35,7 +35,7 @@ so a backward never leaves a peer waiting.
 from __future__ import annotations
 
 import cmath
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -43,19 +43,17 @@ import torch
 from ..torch_private import are_functorch_transforms_active, view_base
 from ..context import ReplicaContext, current_replica_context
 from ..engines.base import Call, Kind, is_inplace
+from ..engines.kinds import REDUCING, SPECS, Run, gather
 from ..engines.wire import execute_on_wire
-from ..groups import Groups, group_of
+from ..groups import Groups
 from ..reduce_op import ReduceOp, from_wire, mean_scale, to_wire
 
-__all__ = ["Collective", "Run", "dual", "execute", "execute_one", "gather_sizes", "raw"]
-
-#: ``run(kind, groups, params, tensors) -> outputs``: a differentiable collective call.
-Run = Callable[[Kind, Groups, tuple, list[torch.Tensor]], list[torch.Tensor]]
+__all__ = ["Collective", "Run", "dual", "execute", "execute_one", "gather", "gather_sizes", "raw"]
 
 _transforms_active = are_functorch_transforms_active
 
 
-def raw(rctx: ReplicaContext, kind: Kind, groups: Groups, params: tuple,
+def raw(rctx: ReplicaContext, kind: Kind, groups: Groups, params: Any,
         tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The engine call itself: no autograd, no transforms."""
     # The context of the executing thread, not ``rctx``: a backward pass may run
@@ -70,7 +68,7 @@ def raw(rctx: ReplicaContext, kind: Kind, groups: Groups, params: tuple,
             if t.device != device:
                 _wrong_device(current, kind, tensors, device)
     call = Call.of(kind, groups, params, tensors)
-    if (kind is Kind.ALL_REDUCE or kind is Kind.REDUCE_SCATTER) and params[0] is ReduceOp.MEAN:
+    if kind in REDUCING and params.op is ReduceOp.MEAN:
         scales = [mean_scale(ReduceOp.MEAN, len(groups[0]), t.dtype) for t in tensors]
         if any(s is not None for s in scales):
             if not _mean_checked_after(kind, groups, call, tensors):
@@ -96,7 +94,7 @@ def _mean_checked_after(kind: Kind, groups: Groups, call: Call, tensors: list[to
             and all(t.device.type == "cpu" for t in tensors))
 
 
-def _scaled_mean(rctx: ReplicaContext, kind: Kind, groups: Groups, params: tuple, tensors: list[torch.Tensor],
+def _scaled_mean(rctx: ReplicaContext, kind: Kind, groups: Groups, params: Any, tensors: list[torch.Tensor],
                  scales: list[float | None]) -> list[torch.Tensor]:
     """A MEAN whose values are scaled down by a power of two before the sum and the result back
     up after, in the wire dtype (as the strategies' reductions), so that values above max/n
@@ -120,7 +118,7 @@ def _wrong_device(rctx: ReplicaContext, kind: Kind, tensors: list[torch.Tensor],
         f"x.to(cr.get_replica_context().device)")
 
 
-def execute(rctx: ReplicaContext, kind: Kind, groups: Groups, params: tuple,
+def execute(rctx: ReplicaContext, kind: Kind, groups: Groups, params: Any,
             tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The eager collective: the engine call, through autograd/vmap only when they need it."""
     if _transforms_active() or (torch.is_grad_enabled() and _any_requires_grad(tensors)):
@@ -128,7 +126,7 @@ def execute(rctx: ReplicaContext, kind: Kind, groups: Groups, params: tuple,
     return raw(rctx, kind, groups, params, tensors)
 
 
-def execute_one(rctx: ReplicaContext, kind: Kind, groups: Groups, params: tuple, x: torch.Tensor) -> torch.Tensor:
+def execute_one(rctx: ReplicaContext, kind: Kind, groups: Groups, params: Any, x: torch.Tensor) -> torch.Tensor:
     """:func:`execute` of a collective with one tensor in and one out (the common call)."""
     if _transforms_active() or (x.requires_grad and torch.is_grad_enabled()):
         return Collective.apply(rctx, kind, groups, params, x)[0]
@@ -163,7 +161,7 @@ class Collective(torch.autograd.Function):
         ctx.rctx, ctx.kind, ctx.groups, ctx.params = rctx, kind, groups, params
         # The gathered sizes are plain ints, read here once (the backward may be traced).
         ctx.sizes = gather_sizes(output, len(groups[0])) if kind is Kind.ALL_GATHER else None
-        if _saves_inputs(kind, params):
+        if SPECS[kind].saves_inputs(params):
             ctx.save_for_backward(*xs, *output)
         ctx.mark_non_differentiable(*[o for o in output if not (o.dtype.is_floating_point or o.dtype.is_complex)])
 
@@ -171,10 +169,10 @@ class Collective(torch.autograd.Function):
     def backward(ctx, *grads):  # type: ignore[override]
         rctx = ctx.rctx
 
-        def run(kind: Kind, groups: Groups, params: tuple, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        def run(kind: Kind, groups: Groups, params: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             return execute(rctx, kind, groups, params, tensors)
 
-        saved = ctx.saved_tensors if _saves_inputs(ctx.kind, ctx.params) else ()
+        saved = ctx.saved_tensors if SPECS[ctx.kind].saves_inputs(ctx.params) else ()
         grads_in = dual(ctx.kind, ctx.groups, ctx.params, list(grads), saved, ctx.sizes,
                         rctx.replica_id_in_sync_group, run)
         return (None, None, None, None, *grads_in)
@@ -187,87 +185,18 @@ class Collective(torch.autograd.Function):
         dims = in_dims[4:]
         batched = [d is not None for d in dims]
         moved = [x if d is None else x.movedim(d, 0) for x, d in zip(xs, dims)]
-        outs = execute(rctx, kind, groups, batched_params(kind, params, batched), moved)
+        def shift(dims: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(d + 1 if b else d for d, b in zip(dims, batched))
+
+        outs = execute(rctx, kind, groups, SPECS[kind].batched(params, shift), moved)
         return tuple(outs), tuple(0 if b else None for b in batched)
 
 
-def _saves_inputs(kind: Kind, params: tuple) -> bool:
-    return kind is Kind.ALL_REDUCE and params[0] in (ReduceOp.MAX, ReduceOp.MIN)
-
-
-def batched_params(kind: Kind, params: tuple, batched: Sequence[bool]) -> tuple:
-    """``params`` for the leaves with a new leading batch dim where ``batched``."""
-    def shift(dims: tuple) -> tuple:
-        return tuple(d + 1 if b else d for d, b in zip(dims, batched))
-
-    if kind is Kind.ALL_GATHER:
-        return (shift(params[0]),)
-    if kind is Kind.REDUCE_SCATTER:
-        return (params[0], shift(params[1]), params[2])
-    if kind is Kind.ALL_TO_ALL:
-        return (shift(params[0]), shift(params[1]), *params[2:])
-    return params
-
-
-def dual(kind: Kind, groups: Groups, params: tuple, grads: list[torch.Tensor], saved: Sequence[torch.Tensor],
+def dual(kind: Kind, groups: Groups, params: Any, grads: list[torch.Tensor], saved: Sequence[torch.Tensor],
          sizes: Any, rid: int | torch.Tensor, run: Run) -> Sequence[torch.Tensor | None]:
-    """Input cotangents of a collective: the dual collective on the output cotangents.
-
-    ``sizes``: an all_gather's per-leaf member sizes (None: equal parts); ``rid``: this
-    replica's id, an int or (traced under torch.compile) a 0-d tensor."""
-    if kind is Kind.ALL_REDUCE:
-        op = params[0]
-        if op in (ReduceOp.SUM, ReduceOp.MEAN):
-            return run(kind, groups, (op,), grads)
-        if op in (ReduceOp.MAX, ReduceOp.MIN):
-            xs, outs = saved[:len(grads)], saved[len(grads):]
-            masks = [(x == o).to(g.dtype) for x, o, g in zip(xs, outs, grads)]
-            summed = run(kind, groups, (ReduceOp.SUM,), grads + masks)
-            total, count = summed[:len(grads)], summed[len(grads):]
-            return [t * m / c for t, m, c in zip(total, masks, count)]
-        raise RuntimeError(
-            f"the gradient of all_reduce with op={op} is not implemented; use op='sum', 'mean', "
-            f"'max' or 'min' for differentiable reductions")
-    if kind is Kind.ALL_GATHER:
-        user = grads[:-1]  # the last leaf carried the sizes
-        out = run(Kind.REDUCE_SCATTER, groups, (ReduceOp.SUM, params[0][:-1], sizes), user)
-        return [*out, None]
-    if kind is Kind.REDUCE_SCATTER:
-        op, dims, _ = params
-        if op not in (ReduceOp.SUM, ReduceOp.MEAN):
-            raise RuntimeError(
-                f"the gradient of reduce_scatter with op={op} is not implemented; use op='sum' or 'mean'")
-        out = gather(run, groups, dims, grads)
-        if op is ReduceOp.MEAN:
-            k = len(groups[0])
-            out = [o / k for o in out]
-        return out
-    if kind is Kind.ALL_TO_ALL:
-        split_dims, concat_dims, in_splits, out_splits = params
-        return run(Kind.ALL_TO_ALL, groups, (concat_dims, split_dims, out_splits, in_splits), grads)
-    if kind is Kind.BROADCAST:
-        total = run(Kind.ALL_REDUCE, groups, (ReduceOp.SUM,), grads)
-        source = params[0]
-        if isinstance(rid, torch.Tensor):
-            sources = torch.tensor([g[source] for g in groups], dtype=rid.dtype, device=rid.device)
-            at_source = (sources == rid).any()
-            return [torch.where(at_source, t, t.new_zeros(())) for t in total]
-        if group_of(groups, rid).index(rid) == source:
-            return total
-        # a zero that stays on the graph, so a second backward meets the peers here too
-        return [t * 0 if t.requires_grad else torch.zeros_like(t) for t in total]
-    if kind is Kind.PERMUTE:
-        inverse = tuple(sorted((t, s) for s, t in params[0]))
-        return run(Kind.PERMUTE, groups, (inverse,), grads)
-    raise RuntimeError(f"no gradient for collective '{kind}'")
-
-
-def gather(run: Run, groups: Groups, dims: tuple, tensors: list[torch.Tensor],
-           device: torch.device | None = None) -> list[torch.Tensor]:
-    """all_gather of ``tensors`` along ``dims`` (sizes may differ): the sizes along the gather
-    dims travel as one more leaf, so that a backward can scatter uneven parts. The leaf sits
-    on the tensors' device (``device``, the replica's, when there are none): engines check
-    that every leaf sits where the replica runs."""
-    device = tensors[0].device if tensors else device
-    sizes = torch.tensor([t.shape[d] for t, d in zip(tensors, dims)], dtype=torch.int64, device=device)
-    return run(Kind.ALL_GATHER, groups, (dims + (0,),), [*tensors, sizes])[:-1]
+    """Input cotangents of a collective: the dual collective on the output cotangents
+    (the kind's ``Spec.dual``; see the table in the module docstring)."""
+    rule = SPECS[kind].dual
+    if rule is None:
+        raise RuntimeError(f"no gradient for collective '{kind}'")
+    return rule(groups, params, grads, saved, sizes, rid, run)

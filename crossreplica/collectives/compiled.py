@@ -11,9 +11,10 @@ group) and ``params`` the call's parameters, encoded by :func:`encode`. A fake
 implementation gives the output shapes, so Dynamo and AOTAutograd trace through
 without a graph break; the real one runs the engine in the calling replica
 thread, exactly as the eager path does, so compiled and eager results are the
-same bytes. The backward is registered with the dual table of ``autodiff.py``
-(on these operators), so compiled training steps, and their second
-derivatives, differentiate through the collectives.
+same bytes. Each kind's rules come from its spec (``engines/kinds.py``): the fake
+kernel from ``Spec.out_shape``, the backward from ``Spec.dual`` (on these
+operators), so compiled training steps, and their second derivatives,
+differentiate through the collectives.
 
 Restriction: shapes must be known when tracing, so under torch.compile every
 member of an all_gather group must pass the same size along the gather dim (an
@@ -30,14 +31,14 @@ import torch
 
 from .. import torch_private as tp
 from ..context import require_replica_context
-from ..engines.base import Kind
+from ..engines.kinds import SPECS, Kind
 from ..groups import Groups
 from ..reduce_op import ReduceOp
 from .autodiff import dual, raw
 
 __all__ = ["encode", "execute"]
 
-_KINDS = (Kind.ALL_REDUCE, Kind.ALL_GATHER, Kind.REDUCE_SCATTER, Kind.ALL_TO_ALL, Kind.BROADCAST, Kind.PERMUTE)
+_KINDS = tuple(kind for kind, spec in SPECS.items() if not spec.meeting)
 _SCHEMA = "(Tensor[] xs, int[] groups, int group_size, str params) -> Tensor[]"
 _LIB = torch.library.Library("crossreplica", "DEF")
 
@@ -45,13 +46,16 @@ _LIB = torch.library.Library("crossreplica", "DEF")
 # --------------------------------------------------------------------------- parameters
 
 def encode(params: tuple) -> str:
-    """``params`` (ints, None, ReduceOps and tuples of them) as the operator's string argument."""
+    """``params`` (a parameter record: ints, bools, None, ReduceOps and tuples of them) as the
+    operator's string argument."""
     return ";".join(_encode_one(p) for p in params)
 
 
 def _encode_one(p: object) -> str:
     if p is None:
         return "N"
+    if isinstance(p, bool):
+        return "T" if p else "F"
     if isinstance(p, ReduceOp):
         return p.name
     if isinstance(p, tuple):
@@ -60,7 +64,7 @@ def _encode_one(p: object) -> str:
 
 
 def decode(text: str) -> tuple:
-    """The inverse of :func:`encode`."""
+    """The inverse of :func:`encode` (the record's fields, in order)."""
     tokens = re.findall(r"[(),;]|[^(),;]+", text)
     pos = 0
 
@@ -69,7 +73,8 @@ def decode(text: str) -> tuple:
         token = tokens[pos]
         pos += 1
         if token != "(":
-            return None if token == "N" else ReduceOp[token] if token in ReduceOp.__members__ else int(token)
+            return _CONSTANTS[token] if token in _CONSTANTS else ReduceOp[token] if token in ReduceOp.__members__ \
+                else int(token)
         items: list = []
         while tokens[pos] != ")":
             items.append(item())
@@ -83,6 +88,14 @@ def decode(text: str) -> tuple:
         out.append(item())
         pos += 1  # the ";" between parameters
     return tuple(out)
+
+
+_CONSTANTS = {"N": None, "T": True, "F": False}
+
+
+def _params(kind: Kind, text: str) -> tuple:
+    """The kind's parameter record from the operator's string argument."""
+    return SPECS[kind].record(*decode(text))  # type: ignore[misc]
 
 
 def _groups(flat: Sequence[int], size: int) -> Groups:
@@ -106,7 +119,7 @@ def _impl(kind: Kind):
             raise ValueError(
                 f"a collective compiled for {len(groups)} replicas ran with {rctx.num_replicas_in_sync} in "
                 f"sync; compile the replica step once per strategy (torch.compile(fn) inside it)")
-        outs = raw(rctx, kind, canonical, decode(params), list(xs))
+        outs = raw(rctx, kind, canonical, _params(kind, params), list(xs))
         if kind is Kind.ALL_GATHER:
             sizes = outs[-1].view(group_size, -1)
             if not bool((sizes == sizes[0]).all()):
@@ -136,43 +149,23 @@ def _fresh(xs: list[torch.Tensor], outs: list[torch.Tensor]) -> list[torch.Tenso
 
 
 def _fake(kind: Kind):
+    out_shape = SPECS[kind].out_shape
+
     def fake(xs: list[torch.Tensor], groups: list[int], group_size: int, params: str) -> list[torch.Tensor]:
-        p, k = decode(params), group_size
-        if kind is Kind.ALL_GATHER:
-            outs = []
-            for x, d in zip(xs, p[0]):
-                shape = list(x.shape)
-                shape[d] = shape[d] * k
-                outs.append(x.new_empty(shape))
-            return outs
-        if kind is Kind.REDUCE_SCATTER:
-            outs = []
-            for x, d in zip(xs, p[1]):
-                shape = list(x.shape)
-                shape[d] = shape[d] // k
-                outs.append(x.new_empty(shape))
-            return outs
-        if kind is Kind.ALL_TO_ALL:
-            split_dims, concat_dims, _, out_splits = p
-            outs = []
-            for x, sd, cd in zip(xs, split_dims, concat_dims):
-                shape = list(x.shape)
-                if out_splits is not None:
-                    shape[sd] = sum(out_splits)  # uneven: split_dim == concat_dim
-                else:
-                    shape[sd] = shape[sd] // k
-                    shape[cd] = shape[cd] * k
-                outs.append(x.new_empty(shape))
-            return outs
-        return [torch.empty_like(x) for x in xs]
+        if out_shape is None:
+            return [torch.empty_like(x) for x in xs]
+        p = _params(kind, params)
+        return [x.new_empty(out_shape(p, leaf, list(x.shape), group_size)) for leaf, x in enumerate(xs)]
     return fake
 
 
-def _setup(ctx, inputs, output) -> None:
-    xs, groups, group_size, params = inputs
-    ctx.groups, ctx.params = _groups(groups, group_size), decode(params)
-    ctx.n = len(xs)
-    ctx.save_for_backward(*xs, *output)
+def _setup_of(kind: Kind):
+    def setup(ctx, inputs, output) -> None:
+        xs, groups, group_size, params = inputs
+        ctx.groups, ctx.params = _groups(groups, group_size), _params(kind, params)
+        ctx.n = len(xs)
+        ctx.save_for_backward(*xs, *output)
+    return setup
 
 
 def _backward(kind: Kind):
@@ -189,7 +182,7 @@ for _kind in _KINDS:
     _LIB.define(_kind.value + _SCHEMA)
     _LIB.impl(_kind.value, _impl(_kind), "CompositeExplicitAutograd")
     torch.library.register_fake(f"crossreplica::{_kind.value}", _fake(_kind), lib=_LIB)
-    torch.library.register_autograd(f"crossreplica::{_kind.value}", _backward(_kind), setup_context=_setup,
+    torch.library.register_autograd(f"crossreplica::{_kind.value}", _backward(_kind), setup_context=_setup_of(_kind),
                                     lib=_LIB)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..context import ReplicaContext
-from ..engines.base import Kind
+from ..engines.base import AllGatherParams, Kind
 from ..engines.sparse import reduce_gathered, sparse_leaves
 from ..groups import Groups, group_of
 from ..reduce_op import ReduceOp
@@ -39,6 +39,6 @@ def all_reduce_sparse(rctx: ReplicaContext, op: ReduceOp, groups: Groups,
                       tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Every sparse COO tensor of ``tensors`` reduced over this replica's group (one gather)."""
     leaves = sparse_leaves(tensors, rctx.device)
-    outs = raw(rctx, Kind.ALL_GATHER, groups, ((0,) * len(leaves),), leaves)
+    outs = raw(rctx, Kind.ALL_GATHER, groups, AllGatherParams((0,) * len(leaves)), leaves)
     rid = rctx.replica_id_in_sync_group
     return reduce_gathered(op, outs, group_of(groups, rid), rid, tensors)

@@ -134,7 +134,7 @@ class AsyncRounds:
             if job is None:
                 return
             r, (leaf, lo, hi), total = job
-            op: ReduceOp = r.calls[0].params[0]  # type: ignore[union-attr]
+            op: ReduceOp = r.calls[0].params.op  # type: ignore[union-attr]
             blocks = [ts[leaf].view(-1)[lo:hi] for ts in r.tensors]  # type: ignore[index]
             try:
                 reduce_into(op, blocks[0], blocks)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import enum
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -39,52 +38,16 @@ import torch
 
 from ..errors import CollectiveMismatchError
 from ..groups import Groups
+from .kinds import (SPECS, AllGatherParams, AllReduceParams, AllToAllParams, BroadcastParams, Kind, PermuteParams,
+                    ReduceScatterParams, scatter_slice)
 
-__all__ = ["BARRIER", "FINISHED", "INPLACE", "MERGE_CALL", "Call", "Engine", "Kind", "Pending", "WorkerEngine",
-           "check_agreement", "check_inplace", "is_inplace", "scatter_slice"]
-
-INPLACE = "inplace"
-
-
-class Kind(enum.Enum):
-    """What a :class:`Call` asks the engine to do; ``str(kind)`` is the name messages show.
-
-    Parameters per kind: ALL_REDUCE ``(op,)`` or ``(op, INPLACE)`` (an in-place
-    all-reduce writes the results into the input tensors, which must be
-    contiguous, and returns them: for callers that own their buffers, such as the
-    optimizer's gradient packs); REDUCE_SCATTER ``(op, dims, sizes)``; ALL_GATHER
-    ``(dims,)``; ALL_TO_ALL ``(split_dims, concat_dims, input_splits, output_splits)`` (the
-    splits are None for equal chunks, or one size per group member, the same for every
-    leaf; they may differ between the members of a group); BROADCAST ``(source,)``;
-    PERMUTE ``(pairs,)``. MERGE_CALL, BARRIER and FINISHED (a replica returned from
-    its function) carry no tensors and are compared by kind only.
-    """
-
-    ALL_REDUCE = "all_reduce"
-    ALL_GATHER = "all_gather"
-    REDUCE_SCATTER = "reduce_scatter"
-    ALL_TO_ALL = "all_to_all"
-    BROADCAST = "broadcast"
-    PERMUTE = "permute"
-    MERGE_CALL = "merge_call"
-    BARRIER = "barrier"
-    FINISHED = "finished"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-# Kinds that move no tensors: replicas agree on them by kind alone.
-_MEETINGS = (Kind.MERGE_CALL, Kind.BARRIER)
-# Parameter names per kind, for Call.describe.
-_PARAM_NAMES: dict[Kind, tuple[str, ...]] = {
-    Kind.ALL_REDUCE: ("op",), Kind.REDUCE_SCATTER: ("op", "dim"), Kind.ALL_GATHER: ("dim",),
-    Kind.ALL_TO_ALL: ("split_dim", "concat_dim", "input_split_sizes", "output_split_sizes"),
-    Kind.BROADCAST: ("source",), Kind.PERMUTE: ("pairs",)}
+__all__ = ["BARRIER", "FINISHED", "MERGE_CALL", "SPECS", "AllGatherParams", "AllReduceParams", "AllToAllParams",
+           "BroadcastParams", "Call", "Engine", "Kind", "Pending", "PermuteParams", "ReduceScatterParams",
+           "WorkerEngine", "check_agreement", "check_inplace", "is_inplace", "scatter_slice"]
 
 
 def is_inplace(call: Call) -> bool:
-    return call.kind is Kind.ALL_REDUCE and len(call.params) > 1 and call.params[1] == INPLACE
+    return call.kind is Kind.ALL_REDUCE and call.params.inplace
 
 
 def check_inplace(payloads: Sequence[Sequence[torch.Tensor]]) -> None:
@@ -97,22 +60,13 @@ def check_inplace(payloads: Sequence[Sequence[torch.Tensor]]) -> None:
                     f"{list(x.shape)} and strides {list(x.stride())}")
 
 
-def scatter_slice(extent: int, pos: int, k: int, sizes: Sequence[int] | None) -> tuple[int, int]:
-    """``(start, length)`` along the scattered dim for the member at ``pos`` of ``k``:
-    equal chunks, or the per-member ``sizes`` (an uneven all_gather's backward, an uneven
-    all_to_all's split sizes)."""
-    if sizes is None:
-        chunk = extent // k
-        return pos * chunk, chunk
-    return sum(sizes[:pos]), sizes[pos]
-
-
 class Call(NamedTuple):
     """One replica's description of a collective, compared across replicas."""
 
     kind: Kind
     groups: Groups
-    params: tuple
+    #: the kind's parameter record (``kinds.py``; ``()`` for the meetings)
+    params: Any
     shapes: tuple[tuple[int, ...], ...] = ()
     dtypes: tuple[torch.dtype, ...] = ()
     #: the dtypes the caller passed, when the tensors travel in wire dtypes (engines/wire.py):
@@ -120,7 +74,7 @@ class Call(NamedTuple):
     source_dtypes: tuple[torch.dtype, ...] = ()
 
     @staticmethod
-    def of(kind: Kind, groups: Groups, params: tuple, tensors: Sequence[torch.Tensor]) -> Call:
+    def of(kind: Kind, groups: Groups, params: Any, tensors: Sequence[torch.Tensor]) -> Call:
         if len(tensors) == 1:
             t = tensors[0]
             return Call(kind, groups, params, (tuple(t.shape),), (t.dtype,))
@@ -128,21 +82,16 @@ class Call(NamedTuple):
                     tuple([t.dtype for t in tensors]))
 
     def describe(self) -> str:
-        if self.kind is Kind.MERGE_CALL:
-            return "merge_call()"
-        if self.kind is Kind.FINISHED:
-            return "<returned from the replica function>"
-        names = _PARAM_NAMES.get(self.kind, ())
-        parts = [f"{n}={_fmt(v)}" for n, v in zip(names, self.params)]
-        if self.kind is not Kind.PERMUTE:
+        """The call as messages show it; also what the torch_dist engine hashes to compare workers."""
+        spec = SPECS[self.kind]
+        if spec.text is not None:
+            return spec.text
+        parts = spec.describe_params(self.params)
+        if spec.grouped:
             parts.append(f"groups={[list(g) for g in self.groups]}")
         parts.append(f"shapes={[list(s) for s in self.shapes]}")
         parts.append(f"dtypes={[str(d).replace('torch.', '') for d in self.source_dtypes or self.dtypes]}")
         return f"{self.kind.value}({', '.join(parts)})"
-
-
-def _fmt(v: Any) -> str:
-    return str(v) if not isinstance(v, tuple) else str([list(p) if isinstance(p, tuple) else p for p in v])
 
 
 #: The calls of the meetings that carry no tensors.
@@ -153,18 +102,18 @@ FINISHED = Call(Kind.FINISHED, (), ())
 
 
 def check_agreement(calls: Sequence[Call], names: Sequence[int], shown: Sequence[Call] | None = None) -> None:
-    """Raises CollectiveMismatchError unless the calls agree (kind and groups
-    everywhere; parameters, shapes and dtypes within each group; for an uneven
-    all_to_all, what each member sends equals what its peer expects).
+    """Raises CollectiveMismatchError unless the calls agree: kind and groups everywhere;
+    within each group, parameters, shapes and dtypes as the kind's spec rules (``kinds.py``).
 
     ``names`` are the replica ids of ``calls``, in the same order; group members
     outside ``names`` (another worker's) are not compared. The message lists
     ``shown`` (the replicas' calls as they made them, when ``calls`` are views of them)."""
     first_call = calls[0]
     ok = all(c.kind is first_call.kind and c.groups == first_call.groups for c in calls)
-    if ok and first_call.kind not in _MEETINGS:
+    spec = SPECS[first_call.kind]
+    if ok and not spec.meeting:
         pos = {r: i for i, r in enumerate(names)}
-        groups = first_call.groups if first_call.kind is not Kind.PERMUTE else (tuple(names),)
+        groups = first_call.groups if spec.grouped else (tuple(names),)
         for g in groups:
             members = [r for r in g if r in pos]
             if not members:
@@ -172,12 +121,12 @@ def check_agreement(calls: Sequence[Call], names: Sequence[int], shown: Sequence
             first = calls[pos[members[0]]]
             for r in members[1:]:
                 c = calls[pos[r]]
-                if (not _params_agree(first, c) or c.dtypes != first.dtypes or c.source_dtypes != first.source_dtypes
-                        or not _shapes_agree(first, c)):
+                if (not spec.params_agree(first.params, c.params) or c.dtypes != first.dtypes
+                        or c.source_dtypes != first.source_dtypes or not spec.shapes_agree(first, c)):
                     ok = False
                     break
-            if ok and first_call.kind is Kind.ALL_TO_ALL:
-                ok = _splits_agree(g, [calls[pos[r]] if r in pos else None for r in g])
+            if ok and spec.group_agree is not None:
+                ok = spec.group_agree(g, [calls[pos[r]] if r in pos else None for r in g])
             if not ok:
                 break
     if not ok:
@@ -185,50 +134,6 @@ def check_agreement(calls: Sequence[Call], names: Sequence[int], shown: Sequence
         raise CollectiveMismatchError(
             f"replicas made different collective calls (they must call the same collectives, in the "
             f"same order, with the same op, group, shapes and dtypes):\n{lines}")
-
-
-def _params_agree(a: Call, b: Call) -> bool:
-    if a.kind is Kind.ALL_TO_ALL:  # split sizes are per member: see _splits_agree
-        return a.params[:2] == b.params[:2]
-    return a.params == b.params
-
-
-def _shapes_agree(a: Call, b: Call) -> bool:
-    """Shapes agree exactly, except along an all_gather's gather dims (uneven parts) and
-    an uneven all_to_all's split dims."""
-    uneven_a2a = a.kind is Kind.ALL_TO_ALL and any(p is not None for p in (*a.params[2:], *b.params[2:]))
-    if a.kind is not Kind.ALL_GATHER and not uneven_a2a:
-        return a.shapes == b.shapes
-    dims = a.params[0]
-    if len(a.shapes) != len(b.shapes):
-        return False
-    for d, sa, sb in zip(dims, a.shapes, b.shapes):
-        if len(sa) != len(sb):
-            return False
-        if sa[:d] + sa[d + 1:] != sb[:d] + sb[d + 1:]:
-            return False
-    return True
-
-
-def _splits_agree(group: tuple[int, ...], calls: Sequence[Call | None]) -> bool:
-    """Member ``i`` sends member ``j`` as many rows as ``j`` expects from ``i``, on every leaf."""
-    k = len(group)
-
-    def sizes(call: Call, which: int, leaf: int) -> Sequence[int]:
-        given = call.params[which]
-        if given is not None:
-            return given
-        extent = call.shapes[leaf][call.params[0][leaf]]
-        return [extent // k] * k
-
-    for leaf in range(len(next(c for c in calls if c is not None).shapes)):
-        for i, sender in enumerate(calls):
-            for j, receiver in enumerate(calls):
-                if sender is None or receiver is None:
-                    continue
-                if sizes(sender, 2, leaf)[j] != sizes(receiver, 3, leaf)[i]:
-                    return False
-    return True
 
 
 class Pending:

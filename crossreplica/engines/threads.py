@@ -253,7 +253,7 @@ class ThreadsEngine(Engine):
         if inplace:
             for members in self._sorted_members(call.groups):
                 if len(members) > 1:
-                    op: ReduceOp = calls[members[0]].params[0]
+                    op: ReduceOp = calls[members[0]].params.op
                     for t in range(len(call.shapes)):
                         xs = [payloads[m][t] for m in members]
                         acc = reduced(op, [x.to(xs[0].device) for x in xs])
@@ -263,7 +263,7 @@ class ThreadsEngine(Engine):
         outputs: list[Any] = [None] * len(payloads)
         leaves = range(len(call.shapes))
         for members in self._sorted_members(call.groups):
-            op = calls[members[0]].params[0]
+            op = calls[members[0]].params.op
             if self._one_device:
                 columns = [self._reduce_column(op, [payloads[m][t] for m in members]) for t in leaves]
                 if len(columns) == 1:
@@ -299,7 +299,7 @@ class ThreadsEngine(Engine):
     def _all_reduce_share(self, call: Call, plan: _Plan, i: int) -> None:
         """Member ``j`` of a group reduces the ``j``-th share of every leaf for everyone."""
         payloads, outputs = plan.payloads, plan.outputs
-        op: ReduceOp = call.params[0]
+        op: ReduceOp = call.params.op
         members = next(ms for ms in self._sorted_members(call.groups) if i in ms)
         # No more sharers than cores: with more threads than cores the phase
         # barrier would wait for whichever sharer the OS has descheduled.
@@ -342,7 +342,7 @@ class ThreadsEngine(Engine):
         rid = self.local_replica_ids[i]
         mine = payloads[i]
         if kind is Kind.PERMUTE:
-            pairs = call.params[0]
+            pairs = call.params.pairs
             for s, t in pairs:
                 if t == rid:
                     return [x.to(m.device, copy=True) for x, m in zip(payloads[idx[s]], mine)]
@@ -352,26 +352,26 @@ class ThreadsEngine(Engine):
         k = len(group)
         members = [idx[r] for r in group]  # group order: gather and scatter positions
         sorted_members = [idx[r] for r in sorted(group)]  # reduction order
+        p = call.params
         out = []
         for t, x in enumerate(mine):
             if kind is Kind.ALL_GATHER:
-                d = call.params[0][t]
+                d = p.dims[t]
                 out.append(torch.cat([payloads[m][t].to(x.device) for m in members], d))
             elif kind is Kind.REDUCE_SCATTER:
-                op, dims, sizes = call.params
-                d = dims[t]
-                start, length = scatter_slice(x.shape[d], pos, k, None if sizes is None else sizes[t])
+                d = p.dims[t]
+                start, length = scatter_slice(x.shape[d], pos, k, None if p.sizes is None else p.sizes[t])
                 xs = [payloads[m][t].narrow(d, start, length).to(x.device) for m in sorted_members]
-                out.append(reduce_into(op, torch.empty_like(xs[0], memory_format=torch.contiguous_format), xs))
+                out.append(reduce_into(p.op, torch.empty_like(xs[0], memory_format=torch.contiguous_format), xs))
             elif kind is Kind.ALL_TO_ALL:
-                sd, cd = call.params[0][t], call.params[1][t]
+                sd, cd = p.split_dims[t], p.concat_dims[t]
                 pieces = []
                 for m in members:  # each sender cuts its own tensor by its own split sizes
-                    start, length = scatter_slice(payloads[m][t].shape[sd], pos, k, calls[m].params[2])
+                    start, length = scatter_slice(payloads[m][t].shape[sd], pos, k, calls[m].params.input_splits)
                     pieces.append(payloads[m][t].narrow(sd, start, length).to(x.device))
                 out.append(torch.cat(pieces, cd))
             elif kind is Kind.BROADCAST:
-                src = members[call.params[0]]
+                src = members[p.source]
                 out.append(payloads[src][t].to(x.device, copy=True))
             else:
                 raise ValueError(f"unknown collective kind {kind!r}")

@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 
 from ..reduce_op import WIRE_DTYPES, ReduceOp, from_wire, to_wire
-from .base import Call, Engine, Kind, Pending, is_inplace
+from .base import Call, Engine, Pending, is_inplace
+from .kinds import REDUCING
 
 __all__ = ["execute_on_wire", "start_on_wire"]
 
-_REDUCING = (Kind.ALL_REDUCE, Kind.REDUCE_SCATTER)
 
 
 def _needs_wire(tensors: list[torch.Tensor]) -> bool:
@@ -27,7 +27,7 @@ def _needs_wire(tensors: list[torch.Tensor]) -> bool:
 
 
 def _to_wire(call: Call, tensors: list[torch.Tensor]) -> tuple[ReduceOp | None, Call, list[torch.Tensor]]:
-    op = call.params[0] if call.kind in _REDUCING else None
+    op = call.params.op if call.kind in REDUCING else None
     wire = [to_wire(op, t) for t in tensors]
     return op, call._replace(dtypes=tuple(w.dtype for w in wire), source_dtypes=call.dtypes), wire
 

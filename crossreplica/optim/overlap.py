@@ -41,7 +41,7 @@ import torch
 
 from .. import torch_private as tp
 from ..context import current_replica_context
-from ..engines.base import INPLACE, Call, Engine, Kind, Pending
+from ..engines.base import AllReduceParams, Call, Engine, Kind, Pending
 from ..engines.wire import start_on_wire
 from ..groups import Groups, group_of
 from ..reduce_op import ReduceOp
@@ -178,7 +178,8 @@ class OverlappedReduction:
                 bucket.flat = buf
         grad = bucket.params[0].grad
         if len(bucket.params) == 1 and not bucket.shared and grad is not None and grad.is_contiguous():
-            call = Call(Kind.ALL_REDUCE, groups, (self.op, INPLACE), (tuple(grad.shape),), (grad.dtype,))
+            call = Call(Kind.ALL_REDUCE, groups, AllReduceParams(self.op, inplace=True), (tuple(grad.shape),),
+                        (grad.dtype,))
             bucket.pending = start_on_wire(engine, rid, call, [grad])
             return
         flat, offset = bucket.flat, 0
@@ -189,7 +190,7 @@ class OverlappedReduction:
             n = p.numel()
             flat[offset:offset + n].view_as(p).copy_(p.grad)  # type: ignore[arg-type]
             offset += n
-        call = Call(Kind.ALL_REDUCE, groups, (self.op, INPLACE), ((flat.numel(),),), (flat.dtype,))
+        call = Call(Kind.ALL_REDUCE, groups, AllReduceParams(self.op, inplace=True), ((flat.numel(),),), (flat.dtype,))
         bucket.pending = start_on_wire(engine, rid, call, [flat])
 
     # ------------------------------------------------------------ after backward

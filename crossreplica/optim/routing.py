@@ -20,7 +20,7 @@ import torch
 from ..torch_private import foreach_copy_, sparse_indices, sparse_values
 from ..collectives import all_reduce
 from ..context import ReplicaContext
-from ..engines.base import INPLACE, Call, Kind
+from ..engines.base import AllReduceParams, Call, Kind
 from ..engines.wire import execute_on_wire
 from ..groups import Groups
 from ..reduce_op import ReduceOp
@@ -44,7 +44,7 @@ def all_reduce_buffers(rctx: ReplicaContext, groups: Groups, op: ReduceOp, buffe
                        options: CommunicationOptions | None) -> list[torch.Tensor]:
     """Reduces ``buffers`` (this replica's own) in place over its group; returns them."""
     if on_engine(rctx, groups, options):
-        call = Call.of(Kind.ALL_REDUCE, groups, (op, INPLACE), buffers)
+        call = Call.of(Kind.ALL_REDUCE, groups, AllReduceParams(op, inplace=True), buffers)
         return execute_on_wire(rctx.engine, rctx.replica_id_in_sync_group, call, buffers)
     ext = rctx.strategy.extended
     outs = ext.cross_device_ops.replica_all_reduce(op, buffers, ext.resolve_options(options))

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..context import ReplicaContext
-from ..engines.base import BARRIER, MERGE_CALL, Call, Engine, Kind
+from ..engines.base import BARRIER, MERGE_CALL, AllGatherParams, Call, Engine, Kind, ReduceScatterParams
 from ..engines.wire import execute_on_wire
 from ..groups import Groups, group_of
 from ..reduce_op import ReduceOp
@@ -162,7 +162,7 @@ class ShardedUpdate:
             if reduced:
                 grad = flat[layout.pos * c:(layout.pos + 1) * c]
             else:
-                call = Call.of(Kind.REDUCE_SCATTER, groups, (op, (0,), None), [flat])
+                call = Call.of(Kind.REDUCE_SCATTER, groups, ReduceScatterParams(op, (0,)), [flat])
                 (grad,) = execute_on_wire(engine, rid, call, [flat])
             shard = layout.shards[i]
             lo, hi = layout.pos * c, min((layout.pos + 1) * c, layout.sizes[i])
@@ -178,7 +178,8 @@ class ShardedUpdate:
         inner.step()
         for i, g in enumerate(self.optimizer.param_groups):
             shard = layout.shards[i]
-            (full,) = execute_on_wire(engine, rid, Call.of(Kind.ALL_GATHER, groups, ((0,),), [shard]), [shard])
+            gathered = Call.of(Kind.ALL_GATHER, groups, AllGatherParams((0,)), [shard])
+            (full,) = execute_on_wire(engine, rid, gathered, [shard])
             offset = 0
             with torch.no_grad():
                 for p in g["params"]:
@@ -296,7 +297,8 @@ class ShardedUpdate:
             for key in sorted(own):
                 v = own[key]
                 if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == layout.chunk[i]:
-                    (v,) = execute_on_wire(engine, rid, Call.of(Kind.ALL_GATHER, groups, ((0,),), [v]), [v])
+                    call = Call.of(Kind.ALL_GATHER, groups, AllGatherParams((0,)), [v])
+                    (v,) = execute_on_wire(engine, rid, call, [v])
                 full[key] = v
             offset = 0
             for p in g["params"]:

@@ -32,7 +32,7 @@ from .. import nest, settings
 from ..arguments import check_int
 from ..cross_device_ops import CommunicationOptions
 from ..devices import canonical_device
-from ..engines.base import Call, Kind
+from ..engines.base import AllGatherParams, AllReduceParams, BroadcastParams, Call, Kind
 from ..engines.hierarchical import HierarchicalEngine
 from ..engines.sparse import reduce_gathered, sparse_leaves
 from ..engines.torch_dist import TorchDistEngine
@@ -128,13 +128,13 @@ class MultiWorkerExtended(StrategyExtended):
         if xs[0].layout is not torch.strided:
             return self._reduce_sparse_values(op, xs)
         # as StrategyExtended.reduce_values: a MEAN of huge values scaled down, no overflow of the sum
-        return self._on_workers(Kind.ALL_REDUCE, (op,), xs, op, mean_scale(op, self.num_replicas_in_sync,
+        return self._on_workers(Kind.ALL_REDUCE, AllReduceParams(op), xs, op, mean_scale(op, self.num_replicas_in_sync,
                                                                           xs[0].dtype))
 
     def _reduce_sparse_values(self, op: ReduceOp, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Sparse COO: every replica's (indices, values) gathered, reduced in replica order."""
         leaves = [sparse_leaves([t], t.device) for t in tensors]
-        calls = [Call.of(Kind.ALL_GATHER, self._world(), ((0,) * len(ls),), ls) for ls in leaves]
+        calls = [Call.of(Kind.ALL_GATHER, self._world(), AllGatherParams((0,) * len(ls)), ls) for ls in leaves]
         gathered = self.engine.process(calls, leaves)[0]
         world = self._world()[0]
         return reduce_gathered(op, gathered, world, self.local_replica_ids[0], tensors[:1])[0]
@@ -144,15 +144,15 @@ class MultiWorkerExtended(StrategyExtended):
         if self.engine.world_size == 1:
             return super().gather_values(tensors, axis)
         xs = [t.unsqueeze(0) if t.dim() == 0 else t for t in tensors]
-        return self._on_workers(Kind.ALL_GATHER, ((axis % xs[0].dim(),),), xs)
+        return self._on_workers(Kind.ALL_GATHER, AllGatherParams((axis % xs[0].dim(),)), xs)
 
     def broadcast_values(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Replica 0's tensor (of worker 0), given one tensor per local replica."""
         if self.engine.world_size == 1:
             return super().broadcast_values(tensors)
-        return self._on_workers(Kind.BROADCAST, (0,), list(tensors))
+        return self._on_workers(Kind.BROADCAST, BroadcastParams(0), list(tensors))
 
-    def _on_workers(self, kind: Kind, params: tuple, xs: list[torch.Tensor], op: ReduceOp | None = None,
+    def _on_workers(self, kind: Kind, params: Any, xs: list[torch.Tensor], op: ReduceOp | None = None,
                     scale: float | None = None) -> torch.Tensor:
         """One worker-level call over every replica in sync, one tensor per local replica, in
         the wire dtype (float16 sums in float32, unsigned ints as signed: engines/wire.py);
@@ -177,7 +177,7 @@ class MultiWorkerExtended(StrategyExtended):
                              f"tensors); build it with strategy.mirror")
         if not per_copy[0]:
             return mirrored
-        calls = [Call.of(Kind.BROADCAST, self._world(), (0,), ts) for ts in per_copy]
+        calls = [Call.of(Kind.BROADCAST, self._world(), BroadcastParams(0), ts) for ts in per_copy]
         outs = self.engine.process(calls, per_copy)
         with torch.no_grad():
             for ts, news in zip(per_copy, outs):

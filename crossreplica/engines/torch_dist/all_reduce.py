@@ -73,7 +73,7 @@ def _through_shared_memory(eng: TorchDistEngine, step: Step) -> list[torch.Tenso
     if reducer is None or len(call.groups) != 1 or len(call.groups[0]) != eng.num_replicas:
         return None
     tensors = step.payloads[0]
-    op = step.params[eng.local_replica_ids[0]][0]
+    op = step.params[eng.local_replica_ids[0]].op
     if op not in _SHARED_OPS or not tensors or any(t.device.type != "cpu" for t in tensors):
         return None
     return reducer.all_reduce(tensors, op, step.inplace)
@@ -87,7 +87,7 @@ def start_all_reduce(eng: TorchDistEngine, call: Call, tensors: list[torch.Tenso
     Buffers from :meth:`TorchDistEngine.shared_buffer` reduced over every worker take
     the same-host path instead (``shared_memory.py``), with the same bytes; ordered
     reductions across hosts go along the chain of hosts, on its thread (``chain.py``)."""
-    if call.kind is not Kind.ALL_REDUCE or not is_inplace(call) or call.params[0] not in (ReduceOp.SUM, ReduceOp.MEAN):
+    if call.kind is not Kind.ALL_REDUCE or not is_inplace(call) or call.params.op not in (ReduceOp.SUM, ReduceOp.MEAN):
         return None
     if not all(t.is_contiguous() and t.device == eng.comm_device and t.dtype.is_floating_point for t in tensors):
         return None
@@ -101,16 +101,16 @@ def start_all_reduce(eng: TorchDistEngine, call: Call, tensors: list[torch.Tenso
             return None
         eng.watchdog.count += 1
         eng.watchdog.current = call
-        return start_chain(eng, hosts, call.params[0], tensors)
+        return start_chain(eng, hosts, call.params.op, tensors)
     drain(eng)
     eng.watchdog.count += 1
     eng.watchdog.current = call
     if eng.shared_memory is not None and len(entry.workers) == eng.world_size:
-        pending = eng.shared_memory.start(tensors, call.params[0])
+        pending = eng.shared_memory.start(tensors, call.params.op)
         if pending is not None:
             return Pending(lambda: eng.settle(pending.wait))
     works = [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=entry.subgroup, async_op=True) for t in tensors]
-    divisor = len(entry.group) if call.params[0] is ReduceOp.MEAN else 0
+    divisor = len(entry.group) if call.params.op is ReduceOp.MEAN else 0
 
     def finish() -> list[torch.Tensor]:
         for work in works:
@@ -130,7 +130,7 @@ def start_gathered_all_reduce(eng: TorchDistEngine, call: Call,
     replica id, the ordered path's bytes, and copies the result into every local
     replica's tensors. None when the call is not of that form, or goes along a chain of
     hosts (``chain.py``): the caller runs it synchronously."""
-    if (call.kind is not Kind.ALL_REDUCE or not is_inplace(call) or call.params[0] not in (ReduceOp.SUM, ReduceOp.MEAN)
+    if (call.kind is not Kind.ALL_REDUCE or not is_inplace(call) or call.params.op not in (ReduceOp.SUM, ReduceOp.MEAN)
             or not eng.ordered_reductions or eng.world_size < 2 or eng.check_collectives
             or len(call.groups) != 1 or len(call.groups[0]) != eng.num_replicas):
         return None
@@ -147,7 +147,7 @@ def start_gathered_all_reduce(eng: TorchDistEngine, call: Call,
     eng.watchdog.count += 1
     eng.watchdog.current = call
     work = dist.all_gather(rows, local, async_op=True)
-    op: ReduceOp = call.params[0]
+    op: ReduceOp = call.params.op
 
     def finish() -> list[torch.Tensor]:
         eng.settle(lambda: eng.watchdog.wait(work, range(eng.world_size)))
@@ -167,7 +167,7 @@ def reduce_scatter(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]
     full = _reduced(eng, step)
     outs: list[list[torch.Tensor]] = []
     for i, rid in enumerate(eng.local_replica_ids):
-        _, dims, sizes = step.params[rid]
+        dims, sizes = step.params[rid].dims, step.params[rid].sizes
         group = next(group for group in step.call.groups if rid in group)
         position, k = group.index(rid), len(group)
         row = []
@@ -180,21 +180,21 @@ def reduce_scatter(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]
 
 
 def _reduced(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
-    """Every local replica's reduced leaves (the op is ``params[0]`` of each group's call)."""
+    """Every local replica's reduced leaves (the op is ``params.op`` of each group's call)."""
     index, payloads, groups = eng.local_index, step.payloads, step.call.groups
     n_leaves = len(payloads[0])
     outs: list[list[Any]] = [[None] * n_leaves for _ in payloads]
     for workers, entries in by_worker_set(eng.planner.plan(groups)).items():
         if len(workers) == 1:
             for entry in entries:
-                op = step.params[entry.local[0]][0]
+                op = step.params[entry.local[0]].op
                 for leaf in range(n_leaves):
                     xs = [payloads[index[rid]][leaf] for rid in entry.local]
                     acc = reduce_into(op, torch.empty_like(xs[0], memory_format=torch.contiguous_format),
                                       [x.to(xs[0].device) for x in xs])
                     eng.hand_out(outs, leaf, entry.local, acc)
             continue
-        ops = [step.params[entry.local[0]][0] for entry in entries]
+        ops = [step.params[entry.local[0]].op for entry in entries]
         ref = payloads[index[entries[0].local[0]]]
         ordered = [leaf for leaf in range(n_leaves) if eng.ordered_reductions and len(groups[0]) > 2
                    and (ref[leaf].dtype.is_floating_point or ref[leaf].dtype.is_complex)]

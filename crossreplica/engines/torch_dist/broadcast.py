@@ -39,14 +39,14 @@ def broadcast(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
     for entry in plan:
         if not entry.local:
             continue
-        source = entry.group[step.params[entry.local[0]][0]]
+        source = entry.group[step.params[entry.local[0]].source]
         if source // per_worker == eng.rank:
             for leaf in range(n_leaves):
                 eng.hand_out(outs, leaf, entry.local, payloads[index[source]][leaf], fresh=False)
     keys: dict[tuple[tuple[int, ...], int], list[_Source]] = {}
     for entry in plan:
         if entry.local and len(entry.workers) > 1:
-            source = entry.group[step.params[entry.local[0]][0]]
+            source = entry.group[step.params[entry.local[0]].source]
             keys.setdefault((entry.workers, source // per_worker), []).append(
                 _Source(entry.subgroup, entry.local, source))
     for (workers, source_worker), sources in keys.items():

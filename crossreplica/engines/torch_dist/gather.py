@@ -30,12 +30,12 @@ def all_gather(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
                                             for rid in eng.local_replica_ids}
     for workers, entries in by_worker_set(eng.planner.plan(step.call.groups)).items():
         if len(workers) > 1:
-            gather_dims = {rid: step.params[entry.local[0]][0] for entry in entries for rid in entry.group}
+            gather_dims = {rid: step.params[entry.local[0]].dims for entry in entries for rid in entry.group}
             parts.update(_gather_bucket(eng, workers, entries, parts, gather_dims, n_leaves))
     outs: list[list[torch.Tensor]] = []
     for i, rid in enumerate(eng.local_replica_ids):
         group = next(group for group in step.call.groups if rid in group)
-        device, dims = eng.devices[i], step.params[rid][0]
+        device, dims = eng.devices[i], step.params[rid].dims
         outs.append([torch.cat([parts[member][leaf].to(device) for member in group], dims[leaf])
                      for leaf in range(n_leaves)])
     return outs

@@ -81,7 +81,8 @@ def _check_split_sizes(eng: TorchDistEngine, step: Step) -> None:
     k = len(groups[0])
     rows = []
     for i, rid in enumerate(eng.local_replica_ids):
-        split_dims, _, in_splits, out_splits = step.params[rid]
+        p = step.params[rid]
+        split_dims, in_splits, out_splits = p.split_dims, p.input_splits, p.output_splits
         extent = step.payloads[i][0].shape[split_dims[0]] if step.payloads[i] else 0
         even = [extent // k] * k
         rows.extend([*(in_splits or even), *(out_splits or even)])
@@ -115,14 +116,14 @@ def all_to_all(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
             for receiver in group:
                 sender_worker, receiver_worker = sender // per_worker, receiver // per_worker
                 if sender_worker == eng.rank and receiver_worker != eng.rank:
-                    split_dims, _, in_splits, _ = step.params[sender]
+                    split_dims, in_splits = step.params[sender].split_dims, step.params[sender].input_splits
                     sends.setdefault(receiver_worker, []).extend(
                         _chunk(payloads[index[sender]][leaf], split_dims[leaf], group.index(receiver), k, in_splits)
                         for leaf in leaves)
                 elif receiver_worker == eng.rank and sender_worker != eng.rank:
                     # what arrives: the receiver's own shape, cut by its output split sizes
                     mine = payloads[index[receiver]]
-                    split_dims, _, _, out_splits = step.params[receiver]
+                    split_dims, out_splits = step.params[receiver].split_dims, step.params[receiver].output_splits
                     recvs.setdefault(sender_worker, []).extend(
                         (_incoming(mine[leaf].shape, split_dims[leaf], group.index(sender), k, out_splits),
                          mine[leaf].dtype)
@@ -137,13 +138,13 @@ def all_to_all(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
     for i, receiver in enumerate(eng.local_replica_ids):
         group = next(group for group in step.call.groups if receiver in group)
         k, device = len(group), eng.devices[i]
-        concat_dims = step.params[receiver][1]
+        concat_dims = step.params[receiver].concat_dims
         row = []
         for leaf in leaves:
             pieces = []
             for sender in group:
                 if sender // per_worker == eng.rank:
-                    split_dims, _, in_splits, _ = step.params[sender]
+                    split_dims, in_splits = step.params[sender].split_dims, step.params[sender].input_splits
                     pieces.append(_chunk(payloads[index[sender]][leaf], split_dims[leaf], group.index(receiver),
                                          k, in_splits).to(device))
                 else:
@@ -163,7 +164,7 @@ def _incoming(shape: Sequence[int], dim: int, position: int, k: int,
 
 
 def permute(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
-    pairs: Sequence[tuple[int, int]] = step.call.params[0]
+    pairs: Sequence[tuple[int, int]] = step.call.params.pairs
     index, per_worker, payloads = eng.local_index, eng.replicas_per_worker, step.payloads
     ref = payloads[0]
     specs = [(tuple(x.shape), x.dtype) for x in ref]

@@ -38,7 +38,7 @@ class Step(NamedTuple):
     """One collective as this worker runs it, for all its local replicas at once."""
 
     call: Call  #: the first local replica's call (kind and groups agree on every replica)
-    params: dict[int, tuple]  #: replica id -> its call's params (they agree within a group only)
+    params: dict[int, Any]  #: replica id -> its call's parameter record (they agree within a group only)
     payloads: Sequence[list[torch.Tensor]]  #: per local replica, in local order
     inplace: bool  #: an in-place all-reduce: results are written into the payloads
 

@@ -58,5 +58,5 @@ def _normalised(call: Call) -> str:
     if call.kind is not Kind.ALL_GATHER:
         return call.describe()
     shapes = tuple(tuple(-1 if i == dim else size for i, size in enumerate(shape))
-                   for dim, shape in zip(call.params[0], call.shapes))
+                   for dim, shape in zip(call.params.dims, call.shapes))
     return call._replace(shapes=shapes).describe()
