@@ -128,8 +128,8 @@ class MultiWorkerExtended(StrategyExtended):
         if xs[0].layout is not torch.strided:
             return self._reduce_sparse_values(op, xs)
         # as StrategyExtended.reduce_values: a MEAN of huge values scaled down, no overflow of the sum
-        return self._on_workers(Kind.ALL_REDUCE, AllReduceParams(op), xs, op, mean_scale(op, self.num_replicas_in_sync,
-                                                                          xs[0].dtype))
+        scale = mean_scale(op, self.num_replicas_in_sync, xs[0].dtype)
+        return self._on_workers(Kind.ALL_REDUCE, AllReduceParams(op), xs, op, scale)
 
     def _reduce_sparse_values(self, op: ReduceOp, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Sparse COO: every replica's (indices, values) gathered, reduced in replica order."""
