@@ -25,7 +25,7 @@ import secrets
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -33,6 +33,8 @@ from .. import settings
 from ..logs import ConfigurationWarning
 
 __all__ = ["await_workers", "form_job", "job_namespace", "round_token"]
+
+T = TypeVar("T")
 
 #: a torchrun run id shorter than this, or without digits, is warned about as a job secret
 #: (a random hex id has 32 characters; a uuid 36)
@@ -90,17 +92,33 @@ def round_token(raw: Any, rank: int, deadline: float, timeout: float) -> str:
     greeting = secrets.token_hex(8)
     raw.set(f"crossreplica/greeting/{rank}", greeting)
     key = f"crossreplica/answer/{rank}"
-    pause = 0.001
-    while True:
+
+    def answered() -> str | None:
         if raw.check([key]):
             token, _, quoted = raw.get(key).decode().partition(":")
             if quoted == greeting:
                 return token
+        return None
+
+    return _poll(answered, deadline, lambda: RuntimeError(
+        f"worker rank 0 did not answer worker rank {rank} in the store at {_store_address()} within "
+        f"{timeout:g}s; start rank 0 too, and check that every worker reaches that address"))
+
+
+def _store_address() -> str:
+    return f"MASTER_ADDR={os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+
+
+def _poll(ready: Callable[[], T | None], deadline: float, late: Callable[[], Exception]) -> T:
+    """``ready()``'s first answer other than None, polled with a growing pause; ``late()``
+    is raised once ``deadline`` has passed."""
+    pause = 0.001
+    while True:
+        answer = ready()
+        if answer is not None:
+            return answer
         if time.monotonic() >= deadline:
-            raise RuntimeError(
-                f"worker rank 0 did not answer worker rank {rank} in the store at MASTER_ADDR="
-                f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} within {timeout:g}s; "
-                f"start rank 0 too, and check that every worker reaches that address")
+            raise late()
         time.sleep(pause)
         pause = min(2 * pause, 0.05)
 
@@ -144,24 +162,23 @@ def await_workers(raw: Any, job: Any, token: str, world: int, deadline: float, t
     # every worker of this job that ``total`` does.
     job.add("arrivals", 1)
     raw.add(everyone, 1)
-    pause = 0.001
-    while True:
+    mine = 0
+
+    def arrived() -> bool | None:
+        nonlocal mine
         if answer is not None:
             answer()
         total = raw.add(everyone, 0)
         mine = job.add("arrivals", 0)
         if mine >= world:
-            return
+            return True
         if total >= world:
             raise RuntimeError(
                 f"the workers disagree on the job secret: {total} workers reached the store at "
-                f"MASTER_ADDR={os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}, but only {mine} "
-                f"of them with this worker's; give every worker the same CROSSREPLICA_JOB_SECRET (or, under "
-                f"torchrun without it, the same --rdzv-id)")
-        if time.monotonic() >= deadline:
-            raise RuntimeError(
-                f"only {mine} of {world} workers reached the store at MASTER_ADDR="
-                f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} within {timeout:g}s; "
-                f"start every worker (WORLD_SIZE={world}) and check that each can reach that address")
-        time.sleep(pause)
-        pause = min(2 * pause, 0.05)
+                f"{_store_address()}, but only {mine} of them with this worker's; give every worker the same "
+                f"CROSSREPLICA_JOB_SECRET (or, under torchrun without it, the same --rdzv-id)")
+        return None
+
+    _poll(arrived, deadline, lambda: RuntimeError(
+        f"only {mine} of {world} workers reached the store at {_store_address()} within {timeout:g}s; "
+        f"start every worker (WORLD_SIZE={world}) and check that each can reach that address"))

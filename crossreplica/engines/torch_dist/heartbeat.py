@@ -29,8 +29,6 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ... import settings
-
 __all__ = ["Heartbeat", "Pulses"]
 
 _log = logging.getLogger(__name__)
@@ -143,11 +141,6 @@ class Pulses:
             elif counter > 0 and now - since >= self.stopped_after:
                 lost.append(peer)
         return lost
-
-
-def stopped_after() -> float:
-    """Seconds without a heartbeat after which a peer is lost (CROSSREPLICA_HEARTBEAT_SECONDS)."""
-    return settings.heartbeat_seconds()
 
 
 def period(stopped: float) -> float:

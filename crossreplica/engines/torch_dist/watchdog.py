@@ -29,11 +29,12 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ... import settings
 from ... import torch_private as tp
 from ...errors import CollectiveMismatchError, CollectiveTimeoutError, CrossReplicaError, ReplicaAborted
 from ...logs import slow_seconds
 from ..base import Call
-from .heartbeat import Heartbeat, Pulses, describe, period, stopped_after
+from .heartbeat import Heartbeat, Pulses, describe, period
 from .store_probe import StoreProbe
 
 __all__ = ["Watchdog", "WorkerFailedError", "is_peer_loss"]
@@ -99,7 +100,7 @@ class Watchdog:
         self.pulses: Pulses | None = None
         self._next_pulse_read = 0.0
         if self.store is not None and world_size > 1:
-            stopped = stopped_after()
+            stopped = settings.heartbeat_seconds()
             try:
                 self.heartbeat = Heartbeat(self.store, self._prefix, rank, period(stopped))
             except Exception as e:  # noqa: BLE001 - a store without clone(): lost peers show at the timeout
