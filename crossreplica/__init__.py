@@ -26,6 +26,7 @@ from .cross_device_ops import (AllReduceCrossDeviceOps, CommunicationOptions, Cr
 from .data import InputContext, ValueContext
 from .micro_batches import LayoutInvariant, replica_share
 from .optim import CrossShardOptimizer
+from .fault_tolerance import FaultTolerance, FencedOutError
 from .variables import Variable, VariableAggregation, VariableSynchronization
 from . import nn
 from .version import __version__
@@ -46,6 +47,7 @@ __all__ = [
     "reduce_scatter", "all_to_all", "broadcast", "collective_permute", "replica_id", "num_replicas",
     "CrossDeviceOps", "ReductionToOneDevice", "AllReduceCrossDeviceOps", "CommunicationOptions",
     "InputContext", "ValueContext", "MultiStepContext", "CrossShardOptimizer", "nn",
+    "FaultTolerance", "FencedOutError",
     "Variable", "VariableSynchronization", "VariableAggregation",
     "replica_generator", "checkpoint_context_fn",
 ]

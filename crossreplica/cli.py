@@ -8,7 +8,9 @@ import os
 import sys
 from collections.abc import Sequence
 
+from . import launch as launch_module
 from .demo import STRATEGIES, TrainConfig, train
+from .fault_tolerance import FencedOutError
 from .logs import LOGGER_NAME
 from .version import __version__
 
@@ -35,6 +37,17 @@ def _positive_float(text: str) -> float:
     if not v > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number; got {text!r}")
     return v
+
+
+def _rank_step(text: str) -> tuple[int, int]:
+    rank, sep, step = text.partition(":")
+    try:
+        at = (int(rank), int(step))
+    except ValueError:
+        at = (-1, 0)
+    if not sep or at[0] < 0 or at[1] < 1:
+        raise argparse.ArgumentTypeError(f"expected RANK:STEP, a worker rank >= 0 and a step >= 1; got {text!r}")
+    return at
 
 
 _TRAIN_EPILOG = """\
@@ -96,9 +109,23 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--save-params", metavar="PATH", default=None,
                        help="torch.save the final model's state_dict to PATH (on the chief), e.g. to compare "
                             "two layouts: torch.equal on every tensor")
+    train.add_argument("--fault-tolerant", action="store_true",
+                       help="with --strategy multi_worker: go on through lost workers (dead, frozen, hung or cut "
+                            "off) without a restart, redoing the interrupted step on the survivors; launch with "
+                            "`crossreplica launch` (docs/reliability.md)")
+    train.add_argument("--kill-worker-at-step", metavar="RANK:STEP", type=_rank_step, default=None,
+                       help="failure injection: worker RANK exits abruptly (os._exit) as training step STEP "
+                            "(counted from 1 over all epochs) starts")
+    train.add_argument("--freeze-worker-at-step", metavar="RANK:STEP", type=_rank_step, default=None,
+                       help="failure injection: worker RANK freezes itself (SIGSTOP) as training step STEP starts")
     train.add_argument("--log-level", choices=_LOG_LEVELS, type=str.upper, default=None,
                        help="write crossreplica's log records at this level and above to stderr (set-up "
                             "at INFO, slow collectives and failures at WARNING/ERROR); default: none")
+    launch = sub.add_parser(
+        "launch", help="start the workers of a one-host job; the survivors of a lost worker go on",
+        description="Starts WORKERS copies of COMMAND with torchrun's environment and hosts the job's store. "
+                    "Unlike torchrun, a worker that fails does not stop the others (for --fault-tolerant jobs).")
+    launch_module.add_arguments(launch)
     return parser
 
 
@@ -108,8 +135,14 @@ def _train(args: argparse.Namespace) -> int:
                          progress=not args.no_progress, compare=not args.no_compare,
                          replicas_per_worker=args.replicas_per_worker,
                          micro_batches=args.micro_batches if args.layout_invariant else None,
-                         save_params=args.save_params)
-    result = train(config)
+                         save_params=args.save_params, fault_tolerant=args.fault_tolerant,
+                         kill_worker_at_step=args.kill_worker_at_step,
+                         freeze_worker_at_step=args.freeze_worker_at_step)
+    try:
+        result = train(config)
+    except FencedOutError as e:  # a worker the others went on without: it must stop, and says why
+        print(f"crossreplica train: {e}", file=sys.stderr)
+        return 3
     if not result.chief:  # the chief reports for every worker
         return 0 if result.replicas_identical else 1
     last = result.history[-1]
@@ -139,7 +172,13 @@ def _log_to_stderr(level: str) -> logging.Handler:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``crossreplica`` console script."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `launch ... -- COMMAND`: the worker's command line is everything after the first `--`.
+    worker_command = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:len(argv) - len(worker_command) - (1 if "--" in argv else 0)])
+    args.worker_command = worker_command
+    if args.command == "launch":
+        return launch_module.main(args)
     if args.command == "train":
         if args.log_level is None:
             return _train(args)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
+import signal
 import sys
 import time
 from typing import Any
@@ -29,6 +31,7 @@ from torch.nn import functional as F
 from .arguments import check_int, check_number
 from .checkpoint.per_replica import digest
 from .data import split_batch
+from .fault_tolerance import FaultTolerance
 from .micro_batches import LayoutInvariant
 from .optim import CrossShardOptimizer
 from .strategies import MirroredStrategy, MultiWorkerMirroredStrategy, OneDeviceStrategy, Strategy
@@ -56,6 +59,9 @@ class TrainConfig:
     replicas_per_worker: int = 1  # for multi_worker: local replicas of each torchrun process
     micro_batches: int | None = None  # the layout-invariant mode with this many micro-batches per batch
     save_params: str | None = None  # torch.save the final model's state_dict here (on the chief)
+    fault_tolerant: bool = False  # multi_worker: survive lost workers (cr.FaultTolerance)
+    kill_worker_at_step: tuple[int, int] | None = None  # (worker, step): it exits abruptly as that step starts
+    freeze_worker_at_step: tuple[int, int] | None = None  # (worker, step): it stops itself (SIGSTOP) there
 
     def validate(self) -> None:
         for name in ("replicas", "epochs", "batch_size", "hidden", "replicas_per_worker"):
@@ -70,6 +76,12 @@ class TrainConfig:
             raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}; got {self.strategy!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"threads must be a positive int or None; got {self.threads!r}")
+        if self.fault_tolerant and self.strategy != "multi_worker":
+            raise ValueError(f"fault_tolerant needs strategy='multi_worker'; got strategy={self.strategy!r}")
+        for name in ("kill_worker_at_step", "freeze_worker_at_step"):
+            at = getattr(self, name)
+            if at is not None and (len(at) != 2 or at[0] < 0 or at[1] < 1):
+                raise ValueError(f"{name} must be (worker rank >= 0, step >= 1) or None; got {at!r}")
 
 
 @dataclasses.dataclass
@@ -210,10 +222,11 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
     net = copy.deepcopy(initial)
     strategy = make_strategy(config)
     n = strategy.num_replicas_in_sync
-    chief = strategy.extended.input_pipeline_id == 0
-    if not chief:  # one worker reports for all
-        log = lambda s: None  # noqa: E731
+    if strategy.extended.input_pipeline_id != 0:  # the chief reports for all
         config = dataclasses.replace(config, progress=False)
+    report = log
+    # The chief reports: worker 0, or (after lost workers) the first survivor.
+    log = lambda line: report(line) if strategy.extended.input_pipeline_id == 0 else None  # noqa: E731
     log(f"crossreplica train: {config.strategy} strategy, {n} replica(s) in sync, {config.epochs} "
         f"epochs, global batch {config.batch_size}, lr {config.lr}, seed {config.seed}")
     saved_threads, saved_rng = torch.get_num_threads(), torch.get_rng_state()
@@ -227,24 +240,34 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
     try:
         model = strategy.mirror(net)
         opts = strategy.run(lambda m: CrossShardOptimizer(_make_optimizer(m, config)), args=(model,))
+        ft = FaultTolerance(strategy, (model, opts)) if config.fault_tolerant else None  # type: ignore[arg-type]
+        rank = strategy.extended.input_pipeline_id
         test_set = strategy.distribute_dataset([(x_test, y_test)])
         start = time.perf_counter()  # after the one-time set-up (the first optimizer imports a lot)
+        steps = 0
         for epoch in range(1, config.epochs + 1):
             t0 = time.perf_counter()
             batches = global_batches(x_train, y_train, config.batch_size, epoch, config.seed)
             totals = torch.zeros(3)
-            it = bar(strategy.distribute_dataset(batches), epoch, len(batches))
+            it = bar(batches if ft is not None else strategy.distribute_dataset(batches), epoch, len(batches))
             for batch in it:
-                out = strategy.run(_train_step, args=(model, opts, batch))
-                step = strategy.reduce("sum", out)
+                steps += 1
+                _inject_failure(config, rank, steps)
+                if ft is not None:  # the global batch: split over whoever is left at each try
+                    step = ft.run(_train_step, batch, args=(model, opts), reduce="sum")
+                else:
+                    step = strategy.reduce("sum", strategy.run(_train_step, args=(model, opts, batch)))
                 totals += step
                 if hasattr(it, "set_postfix"):
                     it.set_postfix(loss=f"{step[0].item() / max(step[2].item(), 1):.4f}", refresh=False)
             if hasattr(it, "close"):
                 it.close()
             test = torch.zeros(3)
-            for batch in test_set:
-                test += strategy.reduce("sum", strategy.run(_eval_step, args=(model, batch)))
+            if ft is not None:
+                test += ft.run(_eval_step, (x_test, y_test), args=(model,), reduce="sum")
+            else:
+                for batch in test_set:
+                    test += strategy.reduce("sum", strategy.run(_eval_step, args=(model, batch)))
             stats = EpochStats(epoch, (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item(),
                                (test[0] / test[2]).item(), (test[1] / test[2]).item(),
                                time.perf_counter() - t0)
@@ -257,6 +280,7 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
         torch.set_num_threads(saved_threads)
         torch.set_rng_state(saved_rng)
     copies = strategy.experimental_local_results(model)
+    chief = strategy.extended.input_pipeline_id == 0  # the first chief may have been lost
     result = TrainResult(config, history, seconds, _identical(strategy, copies), model=copies[0], chief=chief)
     if config.save_params is not None and chief:
         torch.save(copies[0].state_dict(), config.save_params)
@@ -277,6 +301,19 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
         test = _eval_step(reference, (x_test, y_test))
         result.reference_test_acc = (test[1] / test[2]).item()
     return result
+
+
+def _inject_failure(config: TrainConfig, rank: int, step: int) -> None:
+    """The failure injectors of the fault-tolerance demo: worker ``rank`` exits abruptly
+    (no clean-up, as a crash or a lost machine) or freezes (SIGSTOP) as ``step`` starts."""
+    if config.kill_worker_at_step == (rank, step):
+        print(f"crossreplica train: worker {rank} exits abruptly at the start of step {step} "
+              f"(--kill-worker-at-step)", file=sys.stderr, flush=True)
+        os._exit(1)
+    if config.freeze_worker_at_step == (rank, step):
+        print(f"crossreplica train: worker {rank} freezes at the start of step {step} "
+              f"(--freeze-worker-at-step)", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _identical(strategy: Strategy, copies: Any) -> bool:

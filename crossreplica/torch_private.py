@@ -344,5 +344,30 @@ def default_store() -> Any:
         return None
 
 
+_world: Any = _need(
+    "torch.distributed.distributed_c10d._world", "torch's registry of process groups", "2.0",
+    "a fault-tolerant job regrouping after a loss would wait for the old group's pending work to time out "
+    "(fault_tolerance.py)", required=False,
+    public="destroy_process_group shuts every group down first, which waits for work pending on a lost peer "
+           "(gloo cannot abort a receive in progress)")
+
+#: process groups retired after a loss, kept alive for good (see :func:`retire_default_group`)
+_RETIRED: list[Any] = []
+
+
+def retire_default_group() -> None:
+    """Replaces nothing and waits for nothing: takes the default process group out of
+    torch's registry without shutting it down, so ``init_process_group`` can form a new
+    one at once. Its work still pending on a lost peer ends at the group's timeout on
+    the group's own threads; the group object is kept for the life of the process,
+    since destroying it would wait for that work."""
+    group = torch.distributed.group.WORLD
+    if group is None:
+        return
+    _RETIRED.append(group)
+    if _world is not None:
+        _world.pg_names.pop(group, None)  # destroy_process_group shuts down only what is listed here
+    torch.distributed.destroy_process_group()
+
 if _missing:
     raise ImportError(missing_message(_missing, torch.__version__))

@@ -55,13 +55,13 @@ SYMBOLS = {
     "torch.optim.Optimizer._optimizer_load_state_dict_post_hooks", "torch.optim.Optimizer._patch_step_function",
     "torch.amp.GradScaler.step._step_supports_amp_scaling",
     # distributed
-    "torch.distributed.distributed_c10d._get_default_store",
+    "torch.distributed.distributed_c10d._get_default_store", "torch.distributed.distributed_c10d._world",
 }
 
 # Private attributes of torch objects, whatever name the object has here (the package's
 # own classes may use the same names for their own state: allowed on ``self`` only).
 TORCH_PRIVATE_ATTRS = {"_C", "_base", "_version", "_values", "_indices", "_cdata", "_handle", "_schema",
-                       "_execution_engine", "_get_default_store", "_pytree", "_utils", "_device", "_buffers",
+                       "_execution_engine", "_get_default_store", "_world", "_pytree", "_utils", "_device", "_buffers",
                        "_modules"}
 # Private torch names no class of the package may use, not even on ``self`` (Optimizer's hook tables).
 TORCH_PRIVATE_PREFIXES = ("_foreach_", "_amp_foreach", "_optimizer_", "_patch_step_function")

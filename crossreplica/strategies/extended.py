@@ -229,6 +229,10 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
         return MicroBatchedRun.of(layout, args, kwargs, self.num_replicas_in_sync, self.local_replica_ids,
                                self.mirrored_buffers.local_modules, self._pending, self._micro_runs, base)
 
+    def reset_pending(self) -> None:
+        """Drops the layout-invariant mode's pending gradient sums (a run that failed midway)."""
+        self._pending = []
+
     def batch_split(self, rows: int) -> list[int]:
         """The rows of a global batch of ``rows`` each replica in sync gets (distribute_dataset)."""
         if self.layout_invariant is not None:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ..micro_batches import LayoutInvariant, check_layout
 from .. import nest, settings
+from .. import torch_private as tp
 from ..arguments import check_int
 from ..cross_device_ops import CommunicationOptions
 from ..devices import canonical_device
@@ -94,10 +95,23 @@ def _listen(address: str, port: int) -> socket.socket:
     return listener
 
 
+def _build_engine(options: dict[str, Any]) -> TorchDistEngine:
+    """The engine over the current process group: one local replica, or several (hierarchical)."""
+    if len(options["devices"]) == 1:
+        # Same-host workers all-reduce floating point through shared memory
+        # (engines/torch_dist/shared_memory.py) unless CROSSREPLICA_SHARED_MEMORY=0.
+        return TorchDistEngine(**options)
+    return HierarchicalEngine(**{k: v for k, v in options.items() if k != "shared_memory"})
+
+
 class MultiWorkerExtended(StrategyExtended):
     """Cross-process versions of the cross-replica hooks, plus worker facts."""
 
     engine: TorchDistEngine
+    #: how the strategy built its engine (``regroup`` builds the next one the same way)
+    engine_options: dict[str, Any]
+    #: the store every worker of the job shares, or None
+    job_store: Any
 
     @property
     def worker_rank(self) -> int:
@@ -189,6 +203,31 @@ class MultiWorkerExtended(StrategyExtended):
         """Every worker waits here for the others (bounded by the timeout)."""
         self.engine.barrier(what)
 
+    def regroup(self, store: Any, rank: int, world_size: int) -> None:
+        """Replaces the process group and the engine with new ones over ``store``: this
+        worker becomes ``rank`` of ``world_size`` (a fault-tolerant job's new membership,
+        every member calling it with the same ``store``). The old group is aborted first,
+        so work pending on a lost peer cannot block; anything it still delivers lands in
+        a group nobody reads (the lost worker is fenced out)."""
+        layout = self.layout_invariant
+        num_replicas = world_size * len(self.worker_devices)
+        if layout is not None:
+            check_layout(layout, num_replicas)
+        backend = self.engine.backend
+        self.engine.close()
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):  # a group whose peers are gone: nothing to tell them
+                dist.group.WORLD.abort()  # type: ignore[union-attr]
+            tp.retire_default_group()
+        timeout = float(self.engine_options["timeout"])
+        with bounded(f"re-forming the process group (worker rank {rank} of {world_size}, backend {backend})",
+                     timeout, "Check that the surviving workers still reach each other"):
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout))
+        self._container._owns_process_group = True  # type: ignore[attr-defined]
+        self.engine = _build_engine(self.engine_options)
+        self.reset_pending()
+
 
 class MultiWorkerMirroredStrategy(Strategy):
     """Synchronous replicas across processes and hosts.
@@ -275,16 +314,14 @@ class MultiWorkerMirroredStrategy(Strategy):
         if str(dist.get_backend()) == "nccl":
             torch.cuda.set_device(devs[0])
             comm = devs[0]
-        if replicas_per_worker == 1:
-            # Same-host workers all-reduce floating point through shared memory
-            # (engines/torch_dist/shared_memory.py) unless CROSSREPLICA_SHARED_MEMORY=0.
-            engine: TorchDistEngine = TorchDistEngine(
-                devs, timeout, check_collectives=bool(check_collectives), comm_device=comm,
-                ordered_reductions=bool(ordered_reductions), shared_memory=shared)
-        else:
-            engine = HierarchicalEngine(devs, timeout, check_collectives=bool(check_collectives), comm_device=comm,
-                                        ordered_reductions=bool(ordered_reductions))
+        options = dict(devices=devs, timeout=timeout, check_collectives=bool(check_collectives),
+                       comm_device=comm, ordered_reductions=bool(ordered_reductions), shared_memory=shared)
+        engine = _build_engine(options)
         self.extended = MultiWorkerExtended(self, devs, engine, cross_device_ops)
+        self.extended.engine_options = options
+        #: the store every worker of this job shares (the first process group's): where a
+        #: fault-tolerant job agrees on its membership after a loss (``regroup``)
+        self.extended.job_store = tp.default_store()
         self.extended.communication_options = communication_options
         self.extended.set_logical_devices(groups)
         self.extended.layout_invariant = check_layout(layout_invariant, engine.num_replicas)

@@ -272,6 +272,13 @@ class Watchdog:
         if self.heartbeat is not None:
             self.heartbeat.stop()
 
+    def stopped_peers(self) -> list[int]:
+        """The peers whose heartbeat has stopped, as this worker has watched it so far
+        (none without heartbeats); for waits outside a collective (a regrouping)."""
+        if self.pulses is None:
+            return []
+        return self.pulses.lost(lambda call: self.probe(None, call))
+
     def raise_if_peers_lost(self) -> None:
         """Raises WorkerFailedError naming every peer whose heartbeat stopped (read at most
         once a slice), after telling the other workers through the abort key."""

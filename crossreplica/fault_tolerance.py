@@ -1,0 +1,309 @@
+"""Training that goes on through a lost worker, without restarting processes.
+
+``cr.FaultTolerance(strategy, state)`` wraps the steps of a
+MultiWorkerMirroredStrategy job. Each ``ft.run(fn, global_batch, ...)`` keeps a
+copy of the training state in memory (parameters, buffers, optimizer state and
+the caller's random stream) and runs the step on the global batch, split over
+the replicas in sync. When the step fails because a worker died, froze, hung
+past the timeout or was cut off, the survivors
+
+1. put their state back as it was when the step began,
+2. agree on who is left through the job's store (:mod:`.strategies.membership`):
+   the lost workers are fenced out,
+3. form a new process group and engine under a new store prefix
+   (``MultiWorkerExtended.regroup``),
+4. bring every survivor to the newest state (a survivor that completed the step
+   before the others noticed the loss hands its state to them), and
+5. run the step again, the same global batch now split over fewer replicas, so no
+   sample is skipped or seen twice.
+
+In the layout-invariant mode (``cr.LayoutInvariant``) a step's bits do not
+depend on the replica count, so the run ends with bitwise the parameters of the
+uninterrupted run. Recovery is logged at WARNING.
+
+Why our own: torchrun's answer to a lost worker is to stop every worker and
+start them again (from the last checkpoint); torchft and Horovod Elastic keep
+the processes but not the numbers. Holding the step's state in memory and
+redoing the step on the survivors is what keeps both.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from . import nest
+from .errors import CollectiveTimeoutError, ReplicaAborted, summarize
+from .optim import CrossShardOptimizer
+from .reduce_op import ReduceOp
+from .strategies.membership import FencedOutError, Membership, agree, epoch_prefix, give_up
+from .strategies.multi_worker import MultiWorkerExtended, MultiWorkerMirroredStrategy
+from .values import DistributedValues
+
+__all__ = ["FaultTolerance", "FencedOutError"]
+
+_log = logging.getLogger(__name__)
+
+#: what a step may fail with that regrouping mends (a lost, frozen, hung or cut-off worker)
+_RECOVERABLE = (CollectiveTimeoutError, ReplicaAborted)
+
+
+class _Saved:
+    """A copy of some tensors, kept in buffers of its own that each save reuses."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+
+    def save(self, tensors: Sequence[torch.Tensor]) -> None:
+        fits = len(self.buffers) == len(tensors) and all(
+            b.shape == t.shape and b.dtype == t.dtype and b.device == t.device
+            for b, t in zip(self.buffers, tensors))
+        with torch.no_grad():
+            if not fits:
+                self.buffers = [t.detach().clone() for t in tensors]
+                return
+            for b, t in zip(self.buffers, tensors):
+                b.copy_(t)
+
+
+class _OptimizerCopy:
+    """A wrapped torch optimizer's state and hyperparameters as they were at a step's start."""
+
+    def __init__(self, opt: torch.optim.Optimizer):
+        self.opt = opt
+        self.tensors = _Saved()
+        self.layout: list[tuple[int, str, Any]] = []  # (param position, key, value or None for a tensor)
+        self.groups: list[dict[str, Any]] = []
+
+    def save(self) -> None:
+        params = [p for g in self.opt.param_groups for p in g["params"]]
+        layout, tensors = [], []
+        for i, p in enumerate(params):
+            for key, value in self.opt.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    layout.append((i, key, None))
+                    tensors.append(value)
+                else:
+                    layout.append((i, key, copy.deepcopy(value)))
+        self.layout = layout
+        self.tensors.save(tensors)
+        self.groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
+
+    def restore(self) -> None:
+        params = [p for g in self.opt.param_groups for p in g["params"]]
+        self.opt.state.clear()
+        saved = iter(self.tensors.buffers)
+        for i, key, value in self.layout:
+            self.opt.state[params[i]][key] = next(saved).clone() if value is None else copy.deepcopy(value)
+        for group, hyper in zip(self.opt.param_groups, self.groups):
+            group.update(copy.deepcopy(hyper))
+
+
+class _State:
+    """This worker's share of the training state: its local copies of every module and
+    optimizer in ``state`` (a nest of Mirrored / PerReplica values, modules, optimizers)."""
+
+    def __init__(self, strategy: MultiWorkerMirroredStrategy, state: Any):
+        leaves = []
+        for leaf in nest.flatten(state)[0]:
+            leaves += (list(strategy.experimental_local_results(leaf)) if isinstance(leaf, DistributedValues)
+                       else [leaf])
+        self.modules = [x for x in leaves if isinstance(x, torch.nn.Module)]
+        opts = [x for x in leaves if isinstance(x, torch.optim.Optimizer)]
+        others = [x for x in leaves if not isinstance(x, (torch.nn.Module, torch.optim.Optimizer))]
+        if others:
+            raise TypeError(f"state must hold modules and optimizers (or Mirrored / PerReplica values of them); "
+                            f"got {summarize(others[0])}")
+        for opt in opts:
+            if isinstance(opt, CrossShardOptimizer) and opt._sharded is not None:
+                raise ValueError("FaultTolerance does not support CrossShardOptimizer(shard_optimizer_state=True): "
+                                 "a lost worker takes its shard of the optimizer state with it; leave it False")
+        self.wrappers = [opt for opt in opts if isinstance(opt, CrossShardOptimizer)]
+        self.optimizers = [opt.optimizer if isinstance(opt, CrossShardOptimizer) else opt for opt in opts]
+        self._tensors = _Saved()
+        self._opts = [_OptimizerCopy(opt) for opt in self.optimizers]
+        self._rng = torch.get_rng_state()
+
+    def _module_tensors(self) -> list[torch.Tensor]:
+        return [t for m in self.modules for t in (*(p.data for p in m.parameters()), *m.buffers())]
+
+    def save(self) -> None:
+        self._tensors.save(self._module_tensors())
+        for opt in self._opts:
+            opt.save()
+        self._rng = torch.get_rng_state()
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for t, b in zip(self._module_tensors(), self._tensors.buffers):
+                t.copy_(b)
+        for m in self.modules:
+            for p in m.parameters():
+                p.grad = None
+        for opt in self._opts:
+            opt.restore()
+        torch.set_rng_state(self._rng)
+        for wrapper in self.wrappers:
+            wrapper._reset_runtime_state()  # its caches belong to the engine being replaced
+
+    def serialize(self, completed: int, result: Any) -> bytes:
+        """The state as it is now (the first local copy of each object: they are identical)."""
+        buf = io.BytesIO()
+        torch.save({"modules": [m.state_dict() for m in self.modules],
+                    "optimizers": [o.state_dict() for o in self.optimizers],
+                    "rng": torch.get_rng_state(), "completed": completed, "result": result}, buf)
+        return buf.getvalue()
+
+    def load(self, data: bytes) -> tuple[int, Any]:
+        """Loads what :meth:`serialize` wrote on another worker; returns its completed steps
+        and the result of its last step."""
+        got = torch.load(io.BytesIO(data), weights_only=False)
+        for m, sd in zip(self.modules, got["modules"]):
+            m.load_state_dict(sd)
+        for o, sd in zip(self.optimizers, got["optimizers"]):
+            o.load_state_dict(sd)
+        torch.set_rng_state(got["rng"])
+        return got["completed"], got["result"]
+
+
+class FaultTolerance:
+    """Runs the steps of a multi-worker job so that it survives losing workers.
+
+    Args:
+        strategy: the job's ``cr.MultiWorkerMirroredStrategy`` (gloo).
+        state: what a step changes and a redo must start from: the model(s) from
+            ``strategy.mirror`` and the optimizers (a PerReplica of
+            ``cr.CrossShardOptimizer``), in any nest.
+
+    Every cross-replica step goes through :meth:`run` (or :meth:`call` for work
+    that changes no state, such as ``cr.save``); a collective outside them that
+    fails raises as usual, and the next :meth:`run` regroups first. The step
+    function must start from zeroed gradients (``opt.zero_grad()``, as usual).
+
+    Attributes:
+        completed: steps this job has completed.
+        identity: this worker's rank when the job started (kept while ranks change).
+        members: the identities of the current members, in rank order.
+        recoveries: one record per regrouping (who was lost, at which step, how long).
+    """
+
+    def __init__(self, strategy: MultiWorkerMirroredStrategy, state: Any):
+        if not isinstance(strategy, MultiWorkerMirroredStrategy):
+            raise TypeError(f"strategy must be a cr.MultiWorkerMirroredStrategy; got {summarize(strategy)}")
+        ext = cast(MultiWorkerExtended, strategy.extended)
+        if ext.engine.backend != "gloo":
+            raise ValueError(f"FaultTolerance needs the gloo backend; this strategy uses {ext.engine.backend!r} "
+                             f"(pass backend='gloo')")
+        if ext.job_store is None:
+            raise RuntimeError("FaultTolerance needs the process group's store, which this torch does not expose")
+        self.strategy = strategy
+        self._ext: MultiWorkerExtended = ext
+        self._last_result: Any = None
+        self._state = _State(strategy, state)
+        self.identity = ext.worker_rank
+        self.members: tuple[int, ...] = tuple(range(ext.num_workers))
+        self.epoch = 0
+        self.completed = 0
+        self.recoveries: list[dict[str, Any]] = []
+
+    def run(self, fn: Callable[..., Any], batch: Any, args: Sequence[Any] = (), kwargs: dict | None = None,
+            reduce: ReduceOp | str | None = None) -> Any:
+        """One step: ``strategy.run(fn, args=(*args, part))`` with ``part`` each replica's
+        share of ``batch`` (a global batch, the same on every worker), then, with
+        ``reduce``, ``strategy.reduce(reduce, result)``; returns that (else the PerReplica
+        result). Redone on the survivors if a worker is lost meanwhile.
+
+        A worker whose step the others completed before it noticed the loss gets their
+        state and returns their reduced result (None without ``reduce``).
+        """
+        while True:
+            if self._ext.engine.broken is not None:
+                done, result = self._recover(self._ext.engine.broken)
+                if done:
+                    return result
+            self._state.save()
+            try:
+                part = next(iter(self.strategy.distribute_dataset([batch])))
+                out = self.strategy.run(fn, args=(*args, part), kwargs=kwargs)
+                result = out if reduce is None else self.strategy.reduce(reduce, out)
+            except _RECOVERABLE as e:
+                self._state.restore()
+                done, result = self._recover(e)
+                if done:
+                    return result
+                continue
+            except BaseException as e:
+                give_up(self._ext.job_store, self.epoch,
+                        f"worker {self.identity} failed in step {self.completed + 1}, and regrouping cannot mend "
+                        f"that: {type(e).__name__}: {e}")
+                raise
+            self.completed += 1
+            self._last_result = None if reduce is None else result
+            return result
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` in cross-replica context, again on the survivors if a worker is lost
+        meanwhile: for collective work that changes no training state (``cr.save``,
+        evaluation with ``strategy.reduce``)."""
+        while True:
+            if self._ext.engine.broken is not None:
+                self._recover(self._ext.engine.broken)
+            try:
+                return fn()
+            except _RECOVERABLE as e:
+                self._recover(e)
+
+    # ------------------------------------------------------------ recovery
+
+    def _recover(self, cause: BaseException) -> tuple[bool, Any]:
+        """Agrees on the survivors, regroups and brings every one to the newest state;
+        returns whether this worker's interrupted step turned out complete (and its result)."""
+        ext = self._ext
+        started = time.monotonic()
+        old, engine = self.members, ext.engine
+        membership = agree(ext.job_store, self.epoch, self.identity, self.completed, old,
+                           engine.watchdog.stopped_peers, ext.timeout)
+        lost = sorted(set(old) - set(membership.members))
+        store = dist.PrefixStore(f"{epoch_prefix(membership.epoch)}/group", ext.job_store)
+        ext.regroup(store, membership.rank_of(self.identity), len(membership.members))
+        self.epoch, self.members = membership.epoch, membership.members
+        done, result = self._catch_up(membership)
+        seconds = time.monotonic() - started
+        record = {"epoch": self.epoch, "lost": lost, "step": self.completed + (0 if done else 1),
+                  "members": list(self.members), "seconds": seconds}
+        self.recoveries.append(record)
+        _log.warning("worker %d: lost workers %s during step %d (%s: %s); regrouped into %d workers (%d replicas in "
+                     "sync, epoch %d) in %.2fs; %s", self.identity, lost, record["step"], type(cause).__name__,
+                     str(cause).splitlines()[0][:200], len(self.members), ext.num_replicas_in_sync, self.epoch,
+                     seconds, "this worker's step was complete: it took the newest state" if done else
+                     f"redoing step {record['step']} on the survivors")
+        return done, result
+
+    def _catch_up(self, membership: Membership) -> tuple[bool, Any]:
+        """When some members completed more steps than others (the loss came at a step's
+        end), rank 0 (one of them) hands its state to the rest."""
+        if min(membership.completed) == membership.newest:
+            return False, None
+        ext = self._ext
+        behind = self.completed < membership.newest
+        data = b"" if behind else self._state.serialize(self.completed, self._last_result)
+        n = len(ext.local_replica_ids)
+        size = ext.broadcast_values([torch.tensor([len(data)], dtype=torch.int64)] * n)
+        payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
+                   else torch.empty(int(size), dtype=torch.uint8))
+        got = ext.broadcast_values([payload] * n)
+        if not behind:
+            return False, None
+        completed, result = self._state.load(got.numpy().tobytes())
+        for wrapper in self._state.wrappers:
+            wrapper._reset_runtime_state()
+        self.completed = completed
+        self._last_result = result
+        return True, result

@@ -1,0 +1,127 @@
+"""``crossreplica launch``: start the workers of a one-host job and let the survivors finish.
+
+``crossreplica launch --workers N -- COMMAND ...`` hosts the job's store in this
+process and starts ``N`` copies of ``COMMAND`` with torchrun's environment
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, with
+the store marked as an agent's, as torchrun does) and a fresh random
+``CROSSREPLICA_JOB_SECRET`` unless one is set.
+
+Why not torchrun: when one worker fails, torchrun's agent stops every other
+worker (and, with ``--max-restarts``, starts them all again from the last
+checkpoint). A job that survives losing a worker (``cr.FaultTolerance``) needs
+the opposite: the store outlives any worker, and the survivors keep running.
+So this launcher watches its workers without touching them; once one has
+finished, the others get ``--grace-seconds`` to finish too, after which a
+worker still running (frozen, say) is woken (SIGCONT, so a fenced-out worker
+can say so and stop), then terminated. Ctrl-C or SIGTERM stops them all.
+
+The exit code is 0 when at least one worker finished with 0 (a fault-tolerant
+job that lost workers finished), otherwise the first failure's code; a
+summary line on stderr names every worker that did not finish with 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+__all__ = ["launch", "main"]
+
+#: how often the launcher looks at its workers
+_POLL = 0.05
+#: seconds between waking a worker left behind and terminating it, and between that and SIGKILL
+_WAKE, _TERM = 5.0, 5.0
+
+
+def launch(command: Sequence[str], workers: int, grace_seconds: float = 10.0,
+           env: dict[str, str] | None = None) -> int:
+    """Runs ``command`` as ``workers`` workers of one job on this host; returns the exit code."""
+    if workers < 1:
+        raise ValueError(f"workers must be a positive int; got {workers!r}")
+    if not command:
+        raise ValueError("command must name the program to run, e.g. `-- python train.py`")
+    store = dist.TCPStore("127.0.0.1", 0, workers, is_master=True, timeout=datetime.timedelta(seconds=60),
+                          wait_for_workers=False)
+    base = dict(os.environ if env is None else env)
+    base.setdefault("CROSSREPLICA_JOB_SECRET", secrets.token_hex(16))
+    base.update({"WORLD_SIZE": str(workers), "LOCAL_WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    procs = [subprocess.Popen(list(command), env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "GROUP_RANK": "0",
+                                                    "ROLE_RANK": str(r)})
+             for r in range(workers)]
+
+    def stop_all(signum: int, frame: object) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.terminate()
+        raise SystemExit(128 + signum)
+
+    saved = {s: signal.signal(s, stop_all) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        codes = _watch(procs, grace_seconds)
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    failed = {r: c for r, c in enumerate(codes) if c != 0}
+    if failed:
+        fate = "finished" if len(failed) < workers else "failed"
+        print(f"crossreplica launch: the job {fate}; "
+              + "; ".join(f"worker {r} exited with code {c}" for r, c in failed.items()), file=sys.stderr)
+    if len(failed) < workers:
+        return 0
+    return next(iter(failed.values()))
+
+
+def _watch(procs: list[subprocess.Popen], grace: float) -> list[int]:
+    """Every worker's exit code, waking and then terminating those still running ``grace``
+    seconds after the first worker finished with 0."""
+    finished_at: float | None = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return [int(c) for c in codes if c is not None]
+        if finished_at is None and 0 in codes:
+            finished_at = time.monotonic()
+        if finished_at is not None and time.monotonic() - finished_at > grace:
+            for step, seconds in ((signal.SIGCONT, _WAKE), (signal.SIGTERM, _TERM), (signal.SIGKILL, 0.0)):
+                for p in procs:
+                    if p.poll() is None:
+                        p.send_signal(step)
+                _wait_all(procs, seconds)
+            return [int(p.wait()) for p in procs]
+        time.sleep(_POLL)
+
+
+def _wait_all(procs: list[subprocess.Popen], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(_POLL)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, required=True, help="worker processes to start")
+    parser.add_argument("--grace-seconds", type=float, default=10.0,
+                        help="once a worker has finished, how long the others may still run before they are "
+                             "stopped (default 10)")
+    parser.usage = "crossreplica launch --workers N [--grace-seconds S] -- COMMAND [ARG ...]"
+
+
+def main(args: argparse.Namespace) -> int:
+    if not args.worker_command:
+        raise SystemExit("crossreplica launch: give the worker's command after `--`, e.g. `crossreplica launch "
+                         "--workers 4 -- python -m crossreplica.cli train --strategy multi_worker`")
+    return launch(args.worker_command, args.workers, args.grace_seconds)

@@ -1,0 +1,197 @@
+"""Fault tolerance without a restart: the survivors' agreement, the launcher, and whole
+runs that lose a worker (killed, frozen) and end bitwise where the uninterrupted run ends."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import crossreplica as cr
+from crossreplica.fault_tolerance import _OptimizerCopy
+from crossreplica.launch import launch
+from crossreplica.strategies.membership import FencedOutError, Membership, agree, give_up
+
+PYTHON = sys.executable
+
+
+def _store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=30),
+                         wait_for_workers=False)
+
+
+def _agree_all(store, members, alive, stopped=lambda: [], completed=None, timeout=10.0):
+    """Runs ``agree`` on every identity in ``alive`` (threads); returns identity -> Membership or error."""
+    out: dict[int, object] = {}
+
+    def one(identity: int) -> None:
+        try:
+            out[identity] = agree(store, 0, identity, (completed or {}).get(identity, 5), members, stopped, timeout)
+        except Exception as e:  # noqa: BLE001 - compared by the test
+            out[identity] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in alive]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 10)
+    return out
+
+
+def test_survivors_agree_on_one_membership_without_the_worker_whose_heartbeat_stopped():
+    store = _store()
+    out = _agree_all(store, (0, 1, 2, 3), alive=(0, 1, 3), stopped=lambda: [2])
+    assert set(out) == {0, 1, 3}
+    assert {out[i] for i in out} == {Membership(1, (0, 1, 3), (5, 5, 5))}
+
+
+def test_the_newest_state_holders_come_first_so_rank_0_can_hand_it_on():
+    store = _store()
+    out = _agree_all(store, (0, 1, 2, 3), alive=(0, 1, 3), stopped=lambda: [2], completed={0: 4, 1: 4, 3: 5})
+    decided = out[0]
+    assert isinstance(decided, Membership)
+    assert decided.members == (3, 0, 1) and decided.completed == (5, 4, 4) and decided.newest == 5
+    assert decided.rank_of(3) == 0
+
+
+def test_a_member_that_neither_posts_nor_stops_is_left_out_at_the_timeout_and_fenced_if_it_comes():
+    store = _store()
+    t0 = time.monotonic()
+    out = _agree_all(store, (0, 1, 2), alive=(0, 1), timeout=1.0)  # 2 hangs with a live heartbeat
+    assert 1.0 <= time.monotonic() - t0 < 8
+    assert out[0] == out[1] and out[0].members == (0, 1)
+    with pytest.raises(FencedOutError, match=r"worker 2 was left out .*workers \[0, 1\]"):
+        agree(store, 0, 2, 5, (0, 1, 2), lambda: [], 10.0)
+
+
+def test_a_member_that_raised_stops_the_others_with_its_message():
+    store = _store()
+    give_up(store, 0, "worker 1 failed in step 3, and regrouping cannot mend that: ValueError: bad batch")
+    with pytest.raises(cr.errors.CrossReplicaError, match="ValueError: bad batch"):
+        agree(store, 0, 0, 2, (0, 1), lambda: [], 10.0)
+
+
+def test_a_worker_that_cannot_reach_the_store_stops_rather_than_go_on_alone():
+    store = _store()
+    client = dist.TCPStore("127.0.0.1", store.port, 1, is_master=False, timeout=datetime.timedelta(seconds=2))
+    del store  # the store host is gone
+    with pytest.raises(cr.errors.CrossReplicaError, match="worker 0 cannot reach the job's store"):
+        agree(client, 0, 0, 1, (0, 1), lambda: [], 10.0)
+
+
+def test_an_optimizers_state_and_hyperparameters_come_back_as_they_were_at_the_steps_start():
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(4, 3)).sum().backward()
+    opt.step()
+    saved = _OptimizerCopy(opt)
+    saved.save()
+    before = {k: v.clone() if isinstance(v, torch.Tensor) else v
+              for st in opt.state.values() for k, v in st.items()}
+    opt.param_groups[0]["lr"] = 0.5
+    model(torch.ones(4, 3)).sum().backward()
+    opt.step()
+    saved.restore()
+    after = {k: v for st in opt.state.values() for k, v in st.items()}
+    assert opt.param_groups[0]["lr"] == 0.1
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    saved.save()  # reused buffers: the restored state is not aliased by the copy
+    opt.step()
+    assert not torch.equal(saved.tensors.buffers[0], next(iter(opt.state.values()))["exp_avg"])
+
+
+def test_fault_tolerance_names_what_it_needs():
+    with pytest.raises(TypeError, match="strategy must be a cr.MultiWorkerMirroredStrategy; got"):
+        cr.FaultTolerance(cr.MirroredStrategy(2, devices=["cpu"] * 2), ())
+
+
+# ---------------------------------------------------------------------- the launcher
+
+
+def test_the_launcher_lets_survivors_finish_and_reports_who_did_not(capfd):
+    code = "import os, sys; sys.exit(3 if os.environ['RANK'] == '1' else 0)"
+    assert launch([PYTHON, "-c", code], 3) == 0
+    assert "worker 1 exited with code 3" in capfd.readouterr().err
+
+
+def test_the_launcher_fails_when_every_worker_failed_and_stops_one_left_behind(capfd):
+    assert launch([PYTHON, "-c", "import sys; sys.exit(4)"], 2) == 4
+    code = "import os, time; os.environ['RANK'] == '1' and time.sleep(600)"
+    t0 = time.monotonic()
+    assert launch([PYTHON, "-c", code], 2, grace_seconds=0.5) == 0
+    assert time.monotonic() - t0 < 30
+    assert "worker 1 exited with code -15" in capfd.readouterr().err
+
+
+def test_the_launcher_gives_each_worker_torchruns_environment_and_a_job_secret(tmp_path):
+    code = (f"import os; open(os.path.join({str(tmp_path)!r}, os.environ['RANK']), 'w').write(' '.join(os.environ[k] "
+            "for k in ('WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'TORCHELASTIC_USE_AGENT_STORE', "
+            "'CROSSREPLICA_JOB_SECRET')))")
+    assert launch([PYTHON, "-c", code], 2) == 0
+    rows = [(tmp_path / str(r)).read_text().split() for r in range(2)]
+    assert [r[:4] for r in rows] == [["2", "0", "127.0.0.1", "True"], ["2", "1", "127.0.0.1", "True"]]
+    assert rows[0][4] == rows[1][4] and len(rows[0][4]) == 32
+
+
+# ---------------------------------------------------------------------- whole runs
+
+
+def _train(tmp_path, name: str, *extra: str, workers: int = 3, timeout: float = 30) -> subprocess.CompletedProcess:
+    """``crossreplica launch`` of the demo on ``workers`` workers (layout-invariant, 6 micro-batches)."""
+    params = tmp_path / f"{name}.pt"
+    cmd = [PYTHON, "-m", "crossreplica.cli", "launch", "--workers", str(workers), "--grace-seconds", "3", "--",
+           PYTHON, "-m", "crossreplica.cli", "train", "--strategy", "multi_worker", "--layout-invariant",
+           "--micro-batches", "6", "--epochs", "1", "--no-compare", "--save-params", str(params),
+           "--log-level", "WARNING", *extra]
+    env = {**os.environ, "CROSSREPLICA_TIMEOUT": str(timeout), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+
+
+def _params(tmp_path, name: str) -> dict[str, torch.Tensor]:
+    return torch.load(tmp_path / f"{name}.pt")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The 3-worker run's final parameters, which a run that loses a worker must end at."""
+    tmp = tmp_path_factory.mktemp("ft")
+    done = _train(tmp, "reference")
+    assert done.returncode == 0, done.stderr
+    return _params(tmp, "reference")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("how", ["kill", "freeze"])
+def test_a_run_that_loses_a_worker_goes_on_and_ends_bitwise_at_the_uninterrupted_runs_parameters(
+        tmp_path, uninterrupted, how):
+    flag = "--kill-worker-at-step" if how == "kill" else "--freeze-worker-at-step"
+    done = _train(tmp_path, how, "--fault-tolerant", flag, "1:4")
+    assert done.returncode == 0, done.stderr
+    assert "every replica's parameters bitwise identical (all workers): yes" in done.stdout
+    got = _params(tmp_path, how)
+    assert got.keys() == uninterrupted.keys()
+    assert all(torch.equal(got[k], uninterrupted[k]) for k in got)
+    # Every survivor logged the loss at WARNING, naming the lost worker and the redone step.
+    warnings = [line for line in done.stderr.splitlines() if "crossreplica.fault_tolerance" in line]
+    assert len(warnings) == 2, done.stderr
+    assert all("lost workers [1] during step 4" in line and "regrouped into 2 workers" in line
+               and "redoing step 4" in line for line in warnings)
+    if how == "kill":
+        assert "worker 1 exited with code 1" in done.stderr
+    else:  # woken once the others finished, the frozen worker finds itself fenced out and stops
+        assert "worker 1 was left out of the job's membership" in done.stderr
+        assert "worker 1 exited with code 3" in done.stderr
+
+
+@pytest.mark.multiprocess
+def test_without_fault_tolerance_a_lost_worker_still_fails_the_job(tmp_path):
+    done = _train(tmp_path, "plain", "--kill-worker-at-step", "1:4")
+    assert done.returncode != 0
+    assert "WorkerFailedError" in done.stderr
