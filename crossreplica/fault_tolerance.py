@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from . import nest
+from . import torch_private as tp
 from .errors import CollectiveTimeoutError, ReplicaAborted, summarize
 from .optim import CrossShardOptimizer
 from .reduce_op import ReduceOp
@@ -69,8 +70,8 @@ class _Saved:
             if not fits:
                 self.buffers = [t.detach().clone() for t in tensors]
                 return
-            for b, t in zip(self.buffers, tensors):
-                b.copy_(t)
+            if self.buffers:
+                tp.foreach_copy_(self.buffers, list(tensors))
 
 
 class _OptimizerCopy:

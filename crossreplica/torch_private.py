@@ -237,7 +237,8 @@ def has_storage_refs() -> bool:
 _foreach = "the foreach kernels the reductions and packs use"
 foreach_copy_: Callable[..., Any] = _need(
     "torch._foreach_copy_", "copies a list of tensors into another in one call", "2.1",
-    "packing, buffer sync and routed optimizer buffers (packing.py, strategies/buffers.py, optim/routing.py)")
+    "packing, buffer sync, routed optimizer buffers and the fault-tolerant step's copy (packing.py, "
+    "strategies/buffers.py, optim/routing.py, fault_tolerance.py)")
 foreach_add_: Callable[..., Any] = _need(
     "torch._foreach_add_", "in-place elementwise add over lists", "1.7", f"{_foreach} (engines/reduction.py)")
 foreach_mul_: Callable[..., Any] = _need(
