@@ -123,7 +123,7 @@ class _State:
             raise TypeError(f"state must hold modules and optimizers (or Mirrored / PerReplica values of them); "
                             f"got {summarize(others[0])}")
         for opt in opts:
-            if isinstance(opt, CrossShardOptimizer) and opt._sharded is not None:
+            if isinstance(opt, CrossShardOptimizer) and opt.shards_state:
                 raise ValueError("FaultTolerance does not support CrossShardOptimizer(shard_optimizer_state=True): "
                                  "a lost worker takes its shard of the optimizer state with it; leave it False")
         self.wrappers = [opt for opt in opts if isinstance(opt, CrossShardOptimizer)]
@@ -152,7 +152,7 @@ class _State:
             opt.restore()
         torch.set_rng_state(self._rng)
         for wrapper in self.wrappers:
-            wrapper._reset_runtime_state()  # its caches belong to the engine being replaced
+            wrapper.forget_engine()
 
     def serialize(self, completed: int, result: Any) -> bytes:
         """The state as it is now (the first local copy of each object: they are identical)."""
@@ -192,7 +192,8 @@ class FaultTolerance:
         completed: steps this job has completed.
         identity: this worker's rank when the job started (kept while ranks change).
         members: the identities of the current members, in rank order.
-        recoveries: one record per regrouping (who was lost, at which step, how long).
+        recoveries: one record per regrouping (who was lost, the step redone, or with
+            ``call`` true the step after which a ``call`` was interrupted; how long it took).
     """
 
     def __init__(self, strategy: MultiWorkerMirroredStrategy, state: Any):
@@ -250,22 +251,24 @@ class FaultTolerance:
             return result
 
     def call(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` in cross-replica context, again on the survivors if a worker is lost
+        """``fn()`` in the strategy's scope (cross-replica context), again on the survivors if a worker is lost
         meanwhile: for collective work that changes no training state (``cr.save``,
         evaluation with ``strategy.reduce``)."""
         while True:
             if self._ext.engine.broken is not None:
-                self._recover(self._ext.engine.broken)
+                self._recover(self._ext.engine.broken, call=True)
             try:
-                return fn()
+                with self.strategy.scope():
+                    return fn()
             except _RECOVERABLE as e:
-                self._recover(e)
+                self._recover(e, call=True)
 
     # ------------------------------------------------------------ recovery
 
-    def _recover(self, cause: BaseException) -> tuple[bool, Any]:
+    def _recover(self, cause: BaseException, call: bool = False) -> tuple[bool, Any]:
         """Agrees on the survivors, regroups and brings every one to the newest state;
-        returns whether this worker's interrupted step turned out complete (and its result)."""
+        returns whether this worker's interrupted step turned out complete (and its result).
+        ``call``: the interrupted work was a ``call`` between steps, not a step."""
         ext = self._ext
         started = time.monotonic()
         old, engine = self.members, ext.engine
@@ -277,14 +280,15 @@ class FaultTolerance:
         self.epoch, self.members = membership.epoch, membership.members
         done, result = self._catch_up(membership)
         seconds = time.monotonic() - started
-        record = {"epoch": self.epoch, "lost": lost, "step": self.completed + (0 if done else 1),
-                  "members": list(self.members), "seconds": seconds}
+        record = {"epoch": self.epoch, "lost": lost, "step": self.completed + (0 if done or call else 1),
+                  "call": call, "members": list(self.members), "seconds": seconds}
         self.recoveries.append(record)
-        _log.warning("worker %d: lost workers %s during step %d (%s: %s); regrouped into %d workers (%d replicas in "
-                     "sync, epoch %d) in %.2fs; %s", self.identity, lost, record["step"], type(cause).__name__,
+        during = f"the call after step {record['step']}" if call else f"step {record['step']}"
+        _log.warning("worker %d: lost workers %s during %s (%s: %s); regrouped into %d workers (%d replicas in "
+                     "sync, epoch %d) in %.2fs; %s", self.identity, lost, during, type(cause).__name__,
                      str(cause).splitlines()[0][:200], len(self.members), ext.num_replicas_in_sync, self.epoch,
                      seconds, "this worker's step was complete: it took the newest state" if done else
-                     f"redoing step {record['step']} on the survivors")
+                     f"redoing {during} on the survivors")
         return done, result
 
     def _catch_up(self, membership: Membership) -> tuple[bool, Any]:
@@ -304,7 +308,7 @@ class FaultTolerance:
             return False, None
         completed, result = self._state.load(got.numpy().tobytes())
         for wrapper in self._state.wrappers:
-            wrapper._reset_runtime_state()
+            wrapper.forget_engine()
         self.completed = completed
         self._last_result = result
         return True, result

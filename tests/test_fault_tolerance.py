@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,3 +196,42 @@ def test_without_fault_tolerance_a_lost_worker_still_fails_the_job(tmp_path):
     done = _train(tmp_path, "plain", "--kill-worker-at-step", "1:4")
     assert done.returncode != 0
     assert "WorkerFailedError" in done.stderr
+
+
+def _lose_at(tmp_path, name: str, mode: str, point: str, how: str, step: int) -> dict[str, torch.Tensor]:
+    """``tests/fault_points.py`` on 3 workers, worker 1 lost at ``point`` of ``step`` (0: never)."""
+    out = tmp_path / f"{name}.pt"
+    cmd = [PYTHON, "-m", "crossreplica.cli", "launch", "--workers", "3", "--grace-seconds", "3", "--",
+           PYTHON, str(Path(__file__).with_name("fault_points.py")), str(out), mode, point, how, str(step)]
+    env = {**os.environ, "CROSSREPLICA_TIMEOUT": "30", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    if step:
+        assert "worker 1 exited" in done.stderr, done.stderr
+        during = f"the call after step {step}" if point == "checkpoint" else f"step {step}"
+        assert done.stderr.count(f"lost workers [1] during {during}") == 2, done.stderr  # both survivors
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_points(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("points")
+    return {mode: _lose_at(tmp, mode, mode, "none", "kill", 0) for mode in ("invariant", "default")}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("point", "how"), [("forward", "kill"), ("reduction", "kill"), ("optimizer", "kill"),
+                                            ("checkpoint", "kill"), ("reduction", "freeze"),
+                                            ("checkpoint", "freeze")])
+def test_a_worker_lost_at_any_point_of_a_step_leaves_the_survivors_at_the_uninterrupted_result(
+        tmp_path, uninterrupted_points, point, how):
+    # The layout-invariant mode has no overlapped buckets: "reduction" runs in the
+    # default mode, where 2 survivors sum in another order than 3 workers (float rounding).
+    mode = "default" if point == "reduction" else "invariant"
+    got = _lose_at(tmp_path, point, mode, point, how, 2)
+    want = uninterrupted_points[mode]
+    assert got.keys() == want.keys()
+    if mode == "invariant":
+        assert all(torch.equal(got[k], want[k]) for k in got)
+    else:
+        assert all(torch.allclose(got[k], want[k], rtol=0, atol=1e-6) for k in got)

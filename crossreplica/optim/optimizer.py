@@ -125,6 +125,11 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         return self._reduction
 
     @property
+    def shards_state(self) -> bool:
+        """Whether each replica keeps only its shard of the optimizer state (``shard_optimizer_state``)."""
+        return self._sharded is not None
+
+    @property
     def bytes_per_pack(self) -> int:
         return self._bytes_per_pack
 
@@ -212,6 +217,18 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         state.setdefault("_communication_options", None)
         self.__dict__.update(state)
         self._reset_runtime_state()
+
+    def forget_engine(self) -> None:
+        """Drops what this optimizer holds of the engine it last ran on: cached groups
+        and packs, its owner, and the overlapped buckets' work and shared buffers. For a
+        job that replaced its engine (``cr.FaultTolerance`` after a lost worker)."""
+        self._groups_cache = None
+        self._pack_cache = None
+        self._synchronized = False
+        self._owner = None
+        self._edits.forget()
+        if self._overlapped is not None:
+            self._overlapped.forget_engine()
 
     def _reset_runtime_state(self) -> None:
         self._groups_cache = None

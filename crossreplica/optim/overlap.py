@@ -231,6 +231,20 @@ class OverlappedReduction:
         self._queued = False
         self.reduced.clear()
 
+    def forget_engine(self) -> None:
+        """Drops what the buckets hold of the engine they last ran on (a fault-tolerant job
+        regrouped after a loss): its unfinished work, unwaited, and its shared buffers."""
+        for bucket in self._buckets:
+            bucket.pending = None
+            bucket.ready = 0
+            bucket.unusable = False
+            if bucket.shared:
+                bucket.flat = torch.empty_like(bucket.flat)
+            bucket.shared = None
+        self._next = 0
+        self._queued = False
+        self.reduced.clear()
+
 
 def _hook(ref: weakref.ref) -> Any:
     # A weak reference: a discarded optimizer's hooks do nothing.

@@ -1,0 +1,75 @@
+"""A fault-tolerant run that loses worker 1 at a chosen point inside a step.
+
+Usage (under ``crossreplica launch``): fault_points.py OUT MODE POINT HOW STEP
+MODE: invariant (the layout-invariant mode, 6 micro-batches) or default (overlapped
+bucket reduction during backward). POINT: none (uninterrupted), forward, reduction
+(in backward, with the later layers' buckets already
+in flight), optimizer (after the gradients were
+reduced, before the update) or checkpoint (inside a ``cr.save`` between steps). HOW:
+kill (``os._exit``) or freeze (SIGSTOP). STEP counts from 1. The chief writes the
+final parameters to OUT.
+"""
+
+import logging
+import os
+import signal
+import sys
+
+import torch
+from torch import nn
+
+import crossreplica as cr
+
+STEPS = 6
+
+
+def lose_worker(ft: cr.FaultTolerance, point: str, how: str, at: str, step: int, lose_step: int) -> None:
+    if point == at and step == lose_step and ft.identity == 1:
+        if how == "kill":
+            os._exit(1)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING)
+    out, mode, point, how, lose_step = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+    layout = cr.LayoutInvariant(micro_batches=6, results="sum") if mode == "invariant" else None
+    strategy = cr.MultiWorkerMirroredStrategy(backend="gloo", layout_invariant=layout)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
+    model = strategy.mirror(net)
+    opts = strategy.run(lambda m: cr.CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                                                         overlap=layout is None, bytes_per_pack=1024),
+                        args=(model,))
+    ft = cr.FaultTolerance(strategy, (model, opts))
+    step = 0
+    for copy in strategy.experimental_local_results(model):
+        copy.register_forward_pre_hook(lambda m, args: lose_worker(ft, point, how, "forward", step, lose_step))
+        copy[0].weight.register_hook(lambda g: lose_worker(ft, point, how, "reduction", step, lose_step))
+    for opt in strategy.experimental_local_results(opts):
+        opt.optimizer.register_step_pre_hook(lambda o, a, k: lose_worker(ft, point, how, "optimizer", step, lose_step))
+
+    def train_step(model, opt, batch):
+        x, y = batch
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)  # every replica gets the same number of rows
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    g = torch.Generator().manual_seed(1)
+    for step in range(1, STEPS + 1):
+        batch = (torch.randn(24, 8, generator=g), torch.randint(0, 3, (24,), generator=g))
+        ft.run(train_step, batch, args=(model, opts), reduce="sum")
+        if step == 2:
+            def save() -> None:
+                lose_worker(ft, point, how, "checkpoint", 2, lose_step)
+                cr.save(out + ".ckpt", {"model": model, "opt": opts})
+            ft.call(save)
+    if strategy.extended.input_pipeline_id == 0:
+        torch.save(strategy.experimental_local_results(model)[0].state_dict(), out)
+    strategy.close()
+
+
+if __name__ == "__main__":
+    main()
