@@ -222,11 +222,13 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
     net = copy.deepcopy(initial)
     strategy = make_strategy(config)
     n = strategy.num_replicas_in_sync
-    if strategy.extended.input_pipeline_id != 0:  # the chief reports for all
+    if strategy.extended.input_pipeline_id != 0 or getattr(strategy.extended, "joining", False):  # the chief reports
         config = dataclasses.replace(config, progress=False)
     report = log
     # The chief reports: worker 0, or (after lost workers) the first survivor.
-    log = lambda line: report(line) if strategy.extended.input_pipeline_id == 0 else None  # noqa: E731
+    # A joining worker is rank 0 of its own until it joins: it reports nothing before.
+    log = lambda line: (report(line) if strategy.extended.input_pipeline_id == 0  # noqa: E731
+                        and not getattr(strategy.extended, "joining", False) else None)
     log(f"crossreplica train: {config.strategy} strategy, {n} replica(s) in sync, {config.epochs} "
         f"epochs, global batch {config.batch_size}, lr {config.lr}, seed {config.seed}")
     saved_threads, saved_rng = torch.get_num_threads(), torch.get_rng_state()
@@ -240,8 +242,11 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
     try:
         model = strategy.mirror(net)
         opts = strategy.run(lambda m: CrossShardOptimizer(_make_optimizer(m, config)), args=(model,))
+        # A worker started with CROSSREPLICA_JOIN joins the running job here, with its state.
         ft = FaultTolerance(strategy, (model, opts)) if config.fault_tolerant else None  # type: ignore[arg-type]
-        rank = strategy.extended.input_pipeline_id
+        # The injectors name a worker as launched (a joining worker has a new identity).
+        rank = strategy.extended.input_pipeline_id if ft is None else ft.identity
+        runs = 0  # ft.run calls so far: a joining worker skips those the job made before it came
         test_set = strategy.distribute_dataset([(x_test, y_test)])
         start = time.perf_counter()  # after the one-time set-up (the first optimizer imports a lot)
         steps = 0
@@ -252,6 +257,8 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
             it = bar(batches if ft is not None else strategy.distribute_dataset(batches), epoch, len(batches))
             for batch in it:
                 steps += 1
+                if ft is not None and (runs := runs + 1) <= ft.completed:
+                    continue
                 _inject_failure(config, rank, steps)
                 if ft is not None:  # the global batch: split over whoever is left at each try
                     step = ft.run(_train_step, batch, args=(model, opts), reduce="sum")
@@ -263,11 +270,11 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
             if hasattr(it, "close"):
                 it.close()
             test = torch.zeros(3)
-            if ft is not None:
-                test += ft.run(_eval_step, (x_test, y_test), args=(model,), reduce="sum")
-            else:
+            if ft is None:
                 for batch in test_set:
                     test += strategy.reduce("sum", strategy.run(_eval_step, args=(model, batch)))
+            elif (runs := runs + 1) > ft.completed:
+                test += ft.run(_eval_step, (x_test, y_test), args=(model,), reduce="sum")
             stats = EpochStats(epoch, (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item(),
                                (test[0] / test[2]).item(), (test[1] / test[2]).item(),
                                time.perf_counter() - t0)

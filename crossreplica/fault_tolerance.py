@@ -17,9 +17,14 @@ past the timeout or was cut off, the survivors
 5. run the step again, the same global batch now split over fewer replicas, so no
    sample is skipped or seen twice.
 
+A worker started with ``CROSSREPLICA_JOIN`` (``crossreplica launch
+--max-restarts``) joins the running job: it asks in the store, the chief admits
+it as the next step starts, and it takes the live state from the chief through
+the same agreement, regrouping and hand-over.
+
 In the layout-invariant mode (``cr.LayoutInvariant``) a step's bits do not
 depend on the replica count, so the run ends with bitwise the parameters of the
-uninterrupted run. Recovery is logged at WARNING.
+uninterrupted run, through losses and joins. Both are logged at WARNING.
 
 Why our own: torchrun's answer to a lost worker is to stop every worker and
 start them again (from the last checkpoint); torchft and Horovod Elastic keep
@@ -44,7 +49,8 @@ from . import torch_private as tp
 from .errors import CollectiveTimeoutError, ReplicaAborted, summarize
 from .optim import CrossShardOptimizer
 from .reduce_op import ReduceOp
-from .strategies.membership import FencedOutError, Membership, agree, epoch_prefix, give_up
+from .strategies.membership import (FencedOutError, Membership, StoreCalls, agree, announce_growth, await_invitation,
+                                    epoch_prefix, found, give_up, growth, joiners_waiting, request_join)
 from .strategies.multi_worker import MultiWorkerExtended, MultiWorkerMirroredStrategy
 from .values import DistributedValues
 
@@ -151,8 +157,6 @@ class _State:
         for opt in self._opts:
             opt.restore()
         torch.set_rng_state(self._rng)
-        for wrapper in self.wrappers:
-            wrapper.forget_engine()
 
     def serialize(self, completed: int, result: Any) -> bytes:
         """The state as it is now (the first local copy of each object: they are identical)."""
@@ -187,6 +191,9 @@ class FaultTolerance:
     that changes no state, such as ``cr.save``); a collective outside them that
     fails raises as usual, and the next :meth:`run` regroups first. The step
     function must start from zeroed gradients (``opt.zero_grad()``, as usual).
+    On a worker that joins a running job, the constructor waits until it is
+    admitted and has the job's state; its loop then skips the first
+    ``completed`` steps.
 
     Attributes:
         completed: steps this job has completed.
@@ -214,6 +221,14 @@ class FaultTolerance:
         self.epoch = 0
         self.completed = 0
         self.recoveries: list[dict[str, Any]] = []
+        self._founders = ext.num_workers  # identities 0..founders-1 started the job; joiners come after
+        self._tickets_seen = 0  # joining workers' tickets this job has dealt with
+        self._growth: tuple[int, range] | None = None  # this epoch's decision to admit joiners
+        self._calls = StoreCalls(ext.job_store, self.identity)
+        if ext.joining:
+            self._join()
+        elif self.identity == 0:
+            found(ext.job_store, self._founders)
 
     def run(self, fn: Callable[..., Any], batch: Any, args: Sequence[Any] = (), kwargs: dict | None = None,
             reduce: ReduceOp | str | None = None) -> Any:
@@ -230,6 +245,7 @@ class FaultTolerance:
                 done, result = self._recover(self._ext.engine.broken)
                 if done:
                     return result
+            self._admit_joiners()
             self._state.save()
             try:
                 part = next(iter(self.strategy.distribute_dataset([batch])))
@@ -265,31 +281,107 @@ class FaultTolerance:
 
     # ------------------------------------------------------------ recovery
 
-    def _recover(self, cause: BaseException, call: bool = False) -> tuple[bool, Any]:
-        """Agrees on the survivors, regroups and brings every one to the newest state;
-        returns whether this worker's interrupted step turned out complete (and its result).
+    def _recover(self, cause: BaseException | None, call: bool = False) -> tuple[bool, Any]:
+        """Agrees on the members of the next epoch (the survivors, and the joining workers
+        admitted in this one), regroups and brings every one to the newest state; returns
+        whether this worker's interrupted step turned out complete (and its result).
+        ``cause``: the failure (None: admitting joining workers as a step starts);
         ``call``: the interrupted work was a ``call`` between steps, not a step."""
         ext = self._ext
         started = time.monotonic()
-        old, engine = self.members, ext.engine
-        membership = agree(ext.job_store, self.epoch, self.identity, self.completed, old,
-                           engine.watchdog.stopped_peers, ext.timeout)
-        lost = sorted(set(old) - set(membership.members))
-        store = dist.PrefixStore(f"{epoch_prefix(membership.epoch)}/group", ext.job_store)
-        ext.regroup(store, membership.rank_of(self.identity), len(membership.members))
-        self.epoch, self.members = membership.epoch, membership.members
-        done, result = self._catch_up(membership)
+        joining = [self._founders + t for t in self._growth[1]] if self._growth is not None else []
+        membership = agree(ext.job_store, self.epoch, self.identity, self.completed, (*self.members, *joining),
+                           ext.engine.watchdog.stopped_peers, ext.timeout)
+        old = self.members
+        if cause is None and self._growth is not None:  # a joiner that did not come is not asked again
+            self._tickets_seen = max(self._tickets_seen, self._growth[1].stop)
+        done, result = self._adopt(membership)
+        lost = sorted(set(old) - set(self.members))
+        joined = sorted(set(self.members) - set(old))
         seconds = time.monotonic() - started
-        record = {"epoch": self.epoch, "lost": lost, "step": self.completed + (0 if done or call else 1),
-                  "call": call, "members": list(self.members), "seconds": seconds}
-        self.recoveries.append(record)
-        during = f"the call after step {record['step']}" if call else f"step {record['step']}"
-        _log.warning("worker %d: lost workers %s during %s (%s: %s); regrouped into %d workers (%d replicas in "
-                     "sync, epoch %d) in %.2fs; %s", self.identity, lost, during, type(cause).__name__,
-                     str(cause).splitlines()[0][:200], len(self.members), ext.num_replicas_in_sync, self.epoch,
-                     seconds, "this worker's step was complete: it took the newest state" if done else
+        step = self.completed + (0 if done or call else 1)
+        self.recoveries.append({"epoch": self.epoch, "lost": lost, "joined": joined, "step": step, "call": call,
+                                "members": list(self.members), "seconds": seconds})
+        shape = (f"regrouped into {len(self.members)} workers ({ext.num_replicas_in_sync} replicas in sync, "
+                 f"epoch {self.epoch}) in {seconds:.2f}s")
+        if cause is None:
+            _log.warning("worker %d: admitted joining workers %s as step %d starts; %s; they took the state of "
+                         "step %d from worker %d", self.identity, joined, step, shape, self.completed,
+                         self.members[0])
+            return done, result
+        during = f"the call after step {step}" if call else f"step {step}"
+        _log.warning("worker %d: lost workers %s during %s (%s: %s)%s; %s; %s", self.identity, lost, during,
+                     type(cause).__name__, str(cause).splitlines()[0][:200],
+                     f" and admitted joining workers {joined}" if joined else "", shape,
+                     "this worker's step was complete: it took the newest state" if done else
                      f"redoing {during} on the survivors")
         return done, result
+
+    def _adopt(self, membership: Membership) -> tuple[bool, Any]:
+        """Becomes a member of ``membership``: a new process group and engine, then the
+        newest state (:meth:`_catch_up`). A member lost meanwhile (the group does not form,
+        or the hand-over fails) makes the others agree again, without it."""
+        ext = self._ext
+        while True:
+            try:
+                store = dist.PrefixStore(f"{epoch_prefix(membership.epoch)}/group", ext.job_store)
+                ext.regroup(store, membership.rank_of(self.identity), len(membership.members))
+                for wrapper in self._state.wrappers:
+                    wrapper.forget_engine()
+                self.epoch, self.members = membership.epoch, membership.members
+                self._growth = None
+                joined = [m - self._founders for m in membership.members if m >= self._founders]
+                self._tickets_seen = max([self._tickets_seen, *(t + 1 for t in joined)])
+                return self._catch_up(membership)
+            except (*_RECOVERABLE, dist.DistError) as e:
+                formed = self.epoch == membership.epoch  # else no heartbeats to watch: the timeout decides
+                _log.warning("worker %d: regrouping into epoch %d failed (%s: %s); agreeing again", self.identity,
+                             membership.epoch, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+                membership = agree(ext.job_store, membership.epoch, self.identity, self.completed,
+                                   membership.members, ext.engine.watchdog.stopped_peers if formed else lambda: [],
+                                   ext.timeout)
+
+    def _admit_joiners(self) -> None:
+        """At a step's start: the chief admits workers that asked to join as the next step
+        starts (every member reads that decision as this step starts, so all of them are
+        told by then), and every member admits them when that step comes."""
+        step = self.completed + 1
+        if self._growth is None:
+            if self._ext.worker_rank == 0:
+                tickets = joiners_waiting(self._calls, self._tickets_seen)
+                if tickets:
+                    announce_growth(self._calls, self.epoch, self.members, step + 1, tickets)
+                    self._growth = (step + 1, tickets)
+            else:
+                self._growth = growth(self._calls, self.epoch)
+        if self._growth is not None and self._growth[0] == step:
+            self._recover(None)
+
+    def _join(self) -> None:
+        """A worker started with ``CROSSREPLICA_JOIN``: asks to join, waits to be admitted
+        at a step boundary, and takes the live state from the job's chief."""
+        ext = self._ext
+        started = time.monotonic()
+        ticket, self.identity = request_join(ext.job_store, ext.timeout)
+        self._founders = self.identity - ticket
+        self._calls = StoreCalls(ext.job_store, self.identity)
+        self.members, self.completed, after = (), -1, -1
+        while True:
+            epoch, members = await_invitation(ext.job_store, self.identity, ticket, after, ext.timeout)
+            try:
+                membership = agree(ext.job_store, epoch, self.identity, -1, (*members, self.identity),
+                                   lambda: [], ext.timeout, propose=False)
+                break
+            except FencedOutError:  # the members regrouped without it (a loss came first): asked again
+                after = epoch
+        self.epoch = epoch
+        self._adopt(membership)
+        ext.joining = False
+        self.recoveries.append({"epoch": self.epoch, "lost": [], "joined": [self.identity], "step": self.completed + 1,
+                                "call": False, "members": list(self.members), "seconds": time.monotonic() - started})
+        _log.warning("worker %d: joined the running job as step %d starts, as worker rank %d of %d (epoch %d), "
+                     "with the state from worker %d", self.identity, self.completed + 1, ext.worker_rank,
+                     len(membership.members), self.epoch, membership.members[0])
 
     def _catch_up(self, membership: Membership) -> tuple[bool, Any]:
         """When some members completed more steps than others (the loss came at a step's
@@ -298,7 +390,7 @@ class FaultTolerance:
             return False, None
         ext = self._ext
         behind = self.completed < membership.newest
-        data = b"" if behind else self._state.serialize(self.completed, self._last_result)
+        data = self._state.serialize(self.completed, self._last_result) if ext.worker_rank == 0 else b""
         n = len(ext.local_replica_ids)
         size = ext.broadcast_values([torch.tensor([len(data)], dtype=torch.int64)] * n)
         payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
@@ -307,8 +399,6 @@ class FaultTolerance:
         if not behind:
             return False, None
         completed, result = self._state.load(got.numpy().tobytes())
-        for wrapper in self._state.wrappers:
-            wrapper.forget_engine()
         self.completed = completed
         self._last_result = result
         return True, result

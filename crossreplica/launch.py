@@ -15,6 +15,11 @@ finished, the others get ``--grace-seconds`` to finish too, after which a
 worker still running (frozen, say) is woken (SIGCONT, so a fenced-out worker
 can say so and stop), then terminated. Ctrl-C or SIGTERM stops them all.
 
+With ``--max-restarts K``, a worker that fails while the others still run is
+started again (at most ``K`` times in all) with ``CROSSREPLICA_JOIN=1``: it joins
+the running job at a step boundary and takes the live state from a member
+(``cr.FaultTolerance``), where torchrun would restart every worker.
+
 The exit code is 0 when at least one worker finished with 0 (a fault-tolerant
 job that lost workers finished), otherwise the first failure's code; a
 summary line on stderr names every worker that did not finish with 0.
@@ -30,7 +35,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
@@ -43,10 +48,14 @@ _WAKE, _TERM = 5.0, 5.0
 
 
 def launch(command: Sequence[str], workers: int, grace_seconds: float = 10.0,
-           env: dict[str, str] | None = None) -> int:
-    """Runs ``command`` as ``workers`` workers of one job on this host; returns the exit code."""
+           env: dict[str, str] | None = None, max_restarts: int = 0) -> int:
+    """Runs ``command`` as ``workers`` workers of one job on this host; returns the exit code.
+    Up to ``max_restarts`` times, a worker that fails while the others run is started
+    again to join the running job (``CROSSREPLICA_JOIN=1``)."""
     if workers < 1:
         raise ValueError(f"workers must be a positive int; got {workers!r}")
+    if not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be an int >= 0; got {max_restarts!r}")
     if not command:
         raise ValueError("command must name the program to run, e.g. `-- python train.py`")
     store = dist.TCPStore("127.0.0.1", 0, workers, is_master=True, timeout=datetime.timedelta(seconds=60),
@@ -55,9 +64,13 @@ def launch(command: Sequence[str], workers: int, grace_seconds: float = 10.0,
     base.setdefault("CROSSREPLICA_JOB_SECRET", secrets.token_hex(16))
     base.update({"WORLD_SIZE": str(workers), "LOCAL_WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"})
-    procs = [subprocess.Popen(list(command), env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "GROUP_RANK": "0",
-                                                    "ROLE_RANK": str(r)})
-             for r in range(workers)]
+
+    def start(r: int, join: bool) -> subprocess.Popen:
+        joining = {"CROSSREPLICA_JOIN": "1"} if join else {}
+        return subprocess.Popen(list(command), env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "GROUP_RANK": "0",
+                                                    "ROLE_RANK": str(r), **joining})
+
+    procs = [start(r, False) for r in range(workers)]
 
     def stop_all(signum: int, frame: object) -> None:
         for p in procs:
@@ -68,7 +81,7 @@ def launch(command: Sequence[str], workers: int, grace_seconds: float = 10.0,
 
     saved = {s: signal.signal(s, stop_all) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        codes = _watch(procs, grace_seconds)
+        codes = _watch(procs, grace_seconds, _Restarts(start, max_restarts))
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
@@ -86,11 +99,31 @@ def launch(command: Sequence[str], workers: int, grace_seconds: float = 10.0,
     return next(iter(failed.values()))
 
 
-def _watch(procs: list[subprocess.Popen], grace: float) -> list[int]:
+class _Restarts:
+    """Starts failed workers again, to join the running job, while restarts are left."""
+
+    def __init__(self, start: Callable[[int, bool], subprocess.Popen], left: int):
+        self.start, self.left = start, left
+
+    def __call__(self, procs: list[subprocess.Popen]) -> None:
+        codes = [p.poll() for p in procs]
+        for r, code in enumerate(codes):
+            if self.left and code not in (None, 0) and any(c is None for c in codes):
+                self.left -= 1
+                print(f"crossreplica launch: worker {r} exited with code {code}; starting it again to join the "
+                      f"running job ({self.left} restart{'s' if self.left != 1 else ''} left)", file=sys.stderr,
+                      flush=True)
+                procs[r] = self.start(r, True)
+
+
+def _watch(procs: list[subprocess.Popen], grace: float, restart: Callable[[list[subprocess.Popen]], None]) -> list[int]:
     """Every worker's exit code, waking and then terminating those still running ``grace``
-    seconds after the first worker finished with 0."""
+    seconds after the first worker finished with 0; until then, ``restart`` may start
+    failed workers again (replacing them in ``procs``)."""
     finished_at: float | None = None
     while True:
+        if finished_at is None:
+            restart(procs)
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
             return [int(c) for c in codes if c is not None]
@@ -117,11 +150,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace-seconds", type=float, default=10.0,
                         help="once a worker has finished, how long the others may still run before they are "
                              "stopped (default 10)")
-    parser.usage = "crossreplica launch --workers N [--grace-seconds S] -- COMMAND [ARG ...]"
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="how many times in all a worker that fails while others still run is started again "
+                             "to join the running job at a step boundary (cr.FaultTolerance; default 0)")
+    parser.usage = "crossreplica launch --workers N [--grace-seconds S] [--max-restarts K] -- COMMAND [ARG ...]"
 
 
 def main(args: argparse.Namespace) -> int:
     if not args.worker_command:
         raise SystemExit("crossreplica launch: give the worker's command after `--`, e.g. `crossreplica launch "
                          "--workers 4 -- python -m crossreplica.cli train --strategy multi_worker`")
-    return launch(args.worker_command, args.workers, args.grace_seconds)
+    return launch(args.worker_command, args.workers, args.grace_seconds, max_restarts=args.max_restarts)

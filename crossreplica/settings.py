@@ -101,6 +101,7 @@ JOB_SECRET = "CROSSREPLICA_JOB_SECRET"
 PARALLEL_BYTES = "CROSSREPLICA_PARALLEL_BYTES"
 SHARED_ROWS_MEMBERS = "CROSSREPLICA_SHARED_ROWS_MEMBERS"
 HEARTBEAT_SECONDS = "CROSSREPLICA_HEARTBEAT_SECONDS"
+JOIN = "CROSSREPLICA_JOIN"
 
 #: Every CROSSREPLICA_* variable, in the order docs/settings.md lists them.
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
@@ -120,6 +121,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting(JOB_SECRET, "secret", None,
             "a value shared by every worker of a job, from which the store's keys are derived; "
             "unset: torchrun's run id"),
+    Setting(JOIN, "flag", False,
+            "this worker joins a running fault-tolerant job (cr.FaultTolerance) at a step boundary "
+            "instead of starting one; `crossreplica launch --max-restarts` sets it on a restarted worker"),
     Setting(PARALLEL_BYTES, "int", 2 * 1024 * 1024,
             "bytes per replica from which the threads engine shares a collective's work out to "
             "every replica thread", public=False, low=1),
@@ -196,6 +200,11 @@ def check_collectives() -> bool:
 def shared_memory() -> bool:
     """Whether same-host workers may all-reduce through shared memory (``CROSSREPLICA_SHARED_MEMORY``)."""
     return bool(get(SHARED_MEMORY))
+
+
+def join() -> bool:
+    """Whether this worker joins a running fault-tolerant job (``CROSSREPLICA_JOIN``)."""
+    return bool(get(JOIN))
 
 
 def job_secret() -> str | None:

@@ -5,27 +5,31 @@ MODE: invariant (the layout-invariant mode, 6 micro-batches) or default (overlap
 bucket reduction during backward). POINT: none (uninterrupted), forward, reduction
 (in backward, with the later layers' buckets already
 in flight), optimizer (after the gradients were
-reduced, before the update) or checkpoint (inside a ``cr.save`` between steps). HOW:
-kill (``os._exit``) or freeze (SIGSTOP). STEP counts from 1. The chief writes the
-final parameters to OUT.
+reduced, before the update), checkpoint (inside a ``cr.save`` between steps) or
+regroup (in forward, and worker 2 dies too as the survivors regroup). HOW:
+kill (``os._exit``), freeze (SIGSTOP) or rejoin (killed, then started again by
+``crossreplica launch --max-restarts 1``: it joins at a step boundary, while the
+survivors pace their steps until it is back). STEP counts from 1. The chief writes
+the final parameters to OUT, every worker its own to OUT.workerN (N: its identity).
 """
 
 import logging
 import os
 import signal
 import sys
+import time
 
 import torch
 from torch import nn
 
 import crossreplica as cr
 
-STEPS = 6
+STEPS = 12
 
 
 def lose_worker(ft: cr.FaultTolerance, point: str, how: str, at: str, step: int, lose_step: int) -> None:
-    if point == at and step == lose_step and ft.identity == 1:
-        if how == "kill":
+    if (point == at or (point, at) == ("regroup", "forward")) and step == lose_step and ft.identity == 1:
+        if how in ("kill", "rejoin"):
             os._exit(1)
         os.kill(os.getpid(), signal.SIGSTOP)
 
@@ -42,6 +46,15 @@ def main() -> None:
                                                          overlap=layout is None, bytes_per_pack=1024),
                         args=(model,))
     ft = cr.FaultTolerance(strategy, (model, opts))
+    if point == "regroup":
+        regroup = type(strategy.extended).regroup
+
+        def regroup_or_die(ext, *args, **kwargs):
+            if ft.identity == 2:
+                os._exit(1)
+            return regroup(ext, *args, **kwargs)
+
+        type(strategy.extended).regroup = regroup_or_die
     step = 0
     for copy in strategy.experimental_local_results(model):
         copy.register_forward_pre_hook(lambda m, args: lose_worker(ft, point, how, "forward", step, lose_step))
@@ -58,16 +71,23 @@ def main() -> None:
         return loss.detach()
 
     g = torch.Generator().manual_seed(1)
+    deadline = time.monotonic() + 60
     for step in range(1, STEPS + 1):
         batch = (torch.randn(24, 8, generator=g), torch.randint(0, 3, (24,), generator=g))
+        if step <= ft.completed:  # a worker that joined: the job did these steps before it came
+            continue
+        if how == "rejoin" and step > lose_step and len(ft.members) < 3 and time.monotonic() < deadline:
+            time.sleep(0.5)  # time for the restarted worker to start and ask to join
         ft.run(train_step, batch, args=(model, opts), reduce="sum")
         if step == 2:
             def save() -> None:
                 lose_worker(ft, point, how, "checkpoint", 2, lose_step)
                 cr.save(out + ".ckpt", {"model": model, "opt": opts})
             ft.call(save)
+    params = strategy.experimental_local_results(model)[0].state_dict()
+    torch.save(params, f"{out}.worker{ft.identity}")
     if strategy.extended.input_pipeline_id == 0:
-        torch.save(strategy.experimental_local_results(model)[0].state_dict(), out)
+        torch.save(params, out)
     strategy.close()
 
 

@@ -18,7 +18,9 @@ import torch.distributed as dist
 import crossreplica as cr
 from crossreplica.fault_tolerance import _OptimizerCopy
 from crossreplica.launch import launch
-from crossreplica.strategies.membership import FencedOutError, Membership, agree, give_up
+from crossreplica.strategies.membership import (FencedOutError, Membership, StoreCalls, agree, announce_growth,
+                                                await_invitation, found, give_up, growth, joiners_waiting,
+                                                request_join)
 
 PYTHON = sys.executable
 
@@ -87,6 +89,48 @@ def test_a_worker_that_cannot_reach_the_store_stops_rather_than_go_on_alone():
         agree(client, 0, 0, 1, (0, 1), lambda: [], 10.0)
 
 
+def test_a_joining_worker_is_invited_agrees_with_the_members_and_comes_last():
+    store = _store()
+    found(store, 2)
+    ticket, identity = request_join(store, timeout=5.0)
+    assert (ticket, identity) == (0, 2)  # after the two workers that started the job
+    calls = StoreCalls(store, 0)
+    assert list(joiners_waiting(calls, 0)) == [0] and not joiners_waiting(calls, 1)
+    assert growth(calls, 0) is None
+    announce_growth(calls, 0, (0, 1), 7, range(0, 1))
+    assert growth(calls, 0) == (7, range(0, 1))
+    assert await_invitation(store, identity, ticket, -1, timeout=5.0) == (0, (0, 1))
+    out: dict[int, object] = {}
+
+    def member(i: int) -> None:
+        out[i] = agree(store, 0, i, 6, (0, 1, 2), lambda: [], 10.0)
+
+    threads = [threading.Thread(target=member, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    joined = agree(store, 0, identity, -1, (0, 1, 2), lambda: [], 10.0, propose=False)
+    for t in threads:
+        t.join(20)
+    assert joined == out[0] == out[1] == Membership(1, (0, 1, 2), (6, 6, -1))
+
+
+def test_a_joining_worker_never_decides_alone_and_is_not_left_waiting():
+    store = _store()
+    t0 = time.monotonic()
+    with pytest.raises(cr.errors.CrossReplicaError, match=r"worker 2 asked to join epoch 1, but its members did not "
+                                                          r"decide within 1s"):
+        agree(store, 0, 2, -1, (0, 1, 2), lambda: [], 1.0, propose=False)
+    assert time.monotonic() - t0 < 5
+    assert not store.check(["crossreplica/ft/0/decided"])  # the members still decide
+
+
+def test_a_worker_asked_to_join_where_no_job_runs_says_so():
+    with pytest.raises(RuntimeError, match="no fault-tolerant job .* unset CROSSREPLICA_JOIN"):
+        request_join(_store(), timeout=0.5)
+    with pytest.raises(RuntimeError, match="no member admitted it within 0.5s"):
+        await_invitation(_store(), 3, 0, -1, timeout=0.5)
+
+
 def test_an_optimizers_state_and_hyperparameters_come_back_as_they_were_at_the_steps_start():
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
@@ -129,6 +173,22 @@ def test_the_launcher_fails_when_every_worker_failed_and_stops_one_left_behind(c
     assert launch([PYTHON, "-c", code], 2, grace_seconds=0.5) == 0
     assert time.monotonic() - t0 < 30
     assert "worker 1 exited with code -15" in capfd.readouterr().err
+
+
+def test_the_launcher_starts_a_failed_worker_again_to_join_while_restarts_are_left(capfd):
+    # Worker 1 fails unless it was started to join; worker 0 runs meanwhile.
+    code = ("import os, sys, time; rank = os.environ['RANK']; joining = os.environ.get('CROSSREPLICA_JOIN'); "
+            "rank == '0' and time.sleep(3); sys.exit(0 if rank == '0' or joining == '1' else 5)")
+    assert launch([PYTHON, "-c", code], 2, max_restarts=1) == 0
+    err = capfd.readouterr().err
+    assert "worker 1 exited with code 5; starting it again to join the running job (0 restarts left)" in err
+    assert "the job" not in err  # every worker (the restarted one too) finished with 0
+    # Without restarts left, a second failure stays a failure.
+    code = "import os, sys, time; os.environ['RANK'] == '0' and time.sleep(3); sys.exit(int(os.environ['RANK']) * 5)"
+    assert launch([PYTHON, "-c", code], 2, max_restarts=1) == 0
+    assert "the job finished; worker 1 exited with code 5" in capfd.readouterr().err
+    with pytest.raises(ValueError, match="max_restarts must be an int >= 0; got -1"):
+        launch([PYTHON, "-c", ""], 2, max_restarts=-1)
 
 
 def test_the_launcher_gives_each_worker_torchruns_environment_and_a_job_secret(tmp_path):
@@ -201,15 +261,29 @@ def test_without_fault_tolerance_a_lost_worker_still_fails_the_job(tmp_path):
 def _lose_at(tmp_path, name: str, mode: str, point: str, how: str, step: int) -> dict[str, torch.Tensor]:
     """``tests/fault_points.py`` on 3 workers, worker 1 lost at ``point`` of ``step`` (0: never)."""
     out = tmp_path / f"{name}.pt"
-    cmd = [PYTHON, "-m", "crossreplica.cli", "launch", "--workers", "3", "--grace-seconds", "3", "--",
-           PYTHON, str(Path(__file__).with_name("fault_points.py")), str(out), mode, point, how, str(step)]
-    env = {**os.environ, "CROSSREPLICA_TIMEOUT": "30", "OMP_NUM_THREADS": "1"}
+    restarts = "1" if how == "rejoin" else "0"
+    cmd = [PYTHON, "-m", "crossreplica.cli", "launch", "--workers", "3", "--grace-seconds", "3", "--max-restarts",
+           restarts, "--", PYTHON, str(Path(__file__).with_name("fault_points.py")), str(out), mode, point, how,
+           str(step)]
+    # Losing worker 2 as the survivors regroup costs them a timeout while the group forms
+    # and one while they agree again (no heartbeats to watch in between): a short one.
+    timeout = "8" if point == "regroup" else "30"
+    env = {**os.environ, "CROSSREPLICA_TIMEOUT": timeout, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
-    if step:
+    if point == "regroup":
+        assert "worker 0: regrouping into epoch 1 failed (DistStoreError" in done.stderr, done.stderr
+        assert "worker 0: lost workers [1, 2] during step 2" in done.stderr, done.stderr
+    elif step:
         assert "worker 1 exited" in done.stderr, done.stderr
         during = f"the call after step {step}" if point == "checkpoint" else f"step {step}"
         assert done.stderr.count(f"lost workers [1] during {during}") == 2, done.stderr  # both survivors
+    if how == "rejoin":  # worker 1, started again, joined as worker 3 and took the live state
+        assert done.stderr.count("admitted joining workers [3] as step") == 2, done.stderr
+        assert "worker 3: joined the running job as step" in done.stderr, done.stderr
+        final = torch.load(out)
+        joined = torch.load(f"{out}.worker3")
+        assert all(torch.equal(joined[k], final[k]) for k in final)
     return torch.load(out)
 
 
@@ -222,8 +296,9 @@ def uninterrupted_points(tmp_path_factory):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("point", "how"), [("forward", "kill"), ("reduction", "kill"), ("optimizer", "kill"),
                                             ("checkpoint", "kill"), ("reduction", "freeze"),
-                                            ("checkpoint", "freeze")])
-def test_a_worker_lost_at_any_point_of_a_step_leaves_the_survivors_at_the_uninterrupted_result(
+                                            ("checkpoint", "freeze"), ("forward", "rejoin"),
+                                            ("reduction", "rejoin"), ("regroup", "kill")])
+def test_a_worker_lost_at_any_point_of_a_step_and_even_started_again_ends_at_the_uninterrupted_result(
         tmp_path, uninterrupted_points, point, how):
     # The layout-invariant mode has no overlapped buckets: "reduction" runs in the
     # default mode, where 2 survivors sum in another order than 3 workers (float rounding).

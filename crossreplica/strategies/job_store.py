@@ -32,7 +32,7 @@ import torch.distributed as dist
 from .. import settings
 from ..logs import ConfigurationWarning
 
-__all__ = ["await_workers", "form_job", "job_namespace", "round_token"]
+__all__ = ["await_workers", "form_job", "job_namespace", "join_job", "round_token"]
 
 T = TypeVar("T")
 
@@ -68,14 +68,30 @@ def form_job(raw: Any, rank: int, world: int, timeout: float) -> Any:
     ``world`` workers have arrived there (:func:`await_workers`)."""
     deadline = time.monotonic() + timeout
     answer = None
+    namespace = job_namespace()
     if rank == 0:
         token = secrets.token_hex(8)
         answer = _Answers(raw, world, token)
+        raw.set(f"crossreplica/{namespace}/start", token)  # for workers that join later (join_job)
     else:
         token = round_token(raw, rank, deadline, timeout)
-    job = dist.PrefixStore(f"crossreplica/{job_namespace()}/{token}", raw)
+    job = dist.PrefixStore(f"crossreplica/{namespace}/{token}", raw)
     await_workers(raw, job, token, world, deadline, timeout, answer)
     return job
+
+
+def join_job(raw: Any, timeout: float) -> Any:
+    """The store of the running start of this job, for a worker that joins it later
+    (``CROSSREPLICA_JOIN``): the prefix its rank 0 published under the job's namespace."""
+    namespace = job_namespace()
+    key = f"crossreplica/{namespace}/start"
+    token = _poll(lambda: raw.get(key).decode() if raw.check([key]) else None, time.monotonic() + timeout,
+                  lambda: RuntimeError(
+                      f"this worker was asked to join a running job (CROSSREPLICA_JOIN) but no job with its "
+                      f"secret has started in the store at {_store_address()} within {timeout:g}s; check "
+                      f"MASTER_ADDR, MASTER_PORT and CROSSREPLICA_JOB_SECRET, or unset CROSSREPLICA_JOIN to "
+                      f"start a job"))
+    return dist.PrefixStore(f"crossreplica/{namespace}/{token}", raw)
 
 
 def round_token(raw: Any, rank: int, deadline: float, timeout: float) -> str:

@@ -30,7 +30,8 @@ from ..engines.torch_dist.store_probe import StoreProbe
 from ..engines.torch_dist import WorkerFailedError
 from ..errors import CrossReplicaError
 
-__all__ = ["FencedOutError", "Membership", "agree", "epoch_prefix", "give_up"]
+__all__ = ["FencedOutError", "Membership", "StoreCalls", "agree", "announce_growth", "await_invitation",
+           "epoch_prefix", "found", "give_up", "growth", "joiners_waiting", "request_join"]
 
 _UNANSWERED = object()
 
@@ -64,13 +65,36 @@ class Membership:
         return cls(epoch, tuple(int(m) for m, _ in pairs), tuple(int(c) for _, c in pairs))
 
 
+class StoreCalls:
+    """This worker's calls to the job's store, each bounded (:class:`StoreProbe`): a store
+    that is gone or cut off raises WorkerFailedError, so the worker stops rather than go on
+    alone."""
+
+    def __init__(self, store: Any, identity: int):
+        self.probe = StoreProbe(store)
+        self.identity = identity
+
+    def __call__(self, what: str, fn: Callable[[Any], Any]) -> Any:
+        try:
+            answer = self.probe(_UNANSWERED, fn, raises=True)
+        except Exception as e:  # noqa: BLE001 - the store host is gone: no agreement is possible
+            raise WorkerFailedError(f"worker {self.identity} cannot reach the job's store to {what} ({e}); it "
+                                    f"stops rather than go on alone") from None
+        if answer is _UNANSWERED:
+            raise WorkerFailedError(f"worker {self.identity} is cut off from the job's store (it did not answer "
+                                    f"within {self.probe.seconds:g}s while trying to {what}); it stops rather "
+                                    f"than go on alone")
+        return answer
+
+
 def epoch_prefix(epoch: int) -> str:
     """The store prefix of membership epoch ``epoch``'s keys (its process group's among them)."""
     return f"crossreplica/ft/{epoch}"
 
 
 def agree(store: Any, epoch: int, identity: int, completed: int, members: Sequence[int],
-          stopped: Callable[[], Sequence[int]], timeout: float, pace: float = 0.01) -> Membership:
+          stopped: Callable[[], Sequence[int]], timeout: float, pace: float = 0.01,
+          propose: bool = True) -> Membership:
     """The members of epoch ``epoch + 1``, agreed by the survivors of epoch ``epoch``.
 
     Args:
@@ -80,28 +104,18 @@ def agree(store: Any, epoch: int, identity: int, completed: int, members: Sequen
         members: epoch ``epoch``'s members (identities, in rank order).
         stopped: the ranks of epoch ``epoch`` whose heartbeat stopped.
         timeout: how long a member that neither posts nor stops is waited for.
+        propose: False for a joining worker: it only posts and reads the decision (the
+            members, which it cannot watch, decide).
 
     Raises:
         FencedOutError: the survivors decided without this worker.
         WorkerFailedError: a member failed in a way no regrouping mends (it raised),
             or this worker cannot reach the store.
     """
-    probe = StoreProbe(store)
+    call = StoreCalls(store, identity)
     base = epoch_prefix(epoch)
     decided, fatal = f"{base}/decided", f"{base}/fatal"
     alive = {m: f"{base}/alive/{m}" for m in members}
-
-    def call(what: str, fn: Callable[[Any], Any]) -> Any:
-        try:
-            answer = probe(_UNANSWERED, fn, raises=True)
-        except Exception as e:  # noqa: BLE001 - the store host is gone: no agreement is possible
-            raise WorkerFailedError(f"worker {identity} cannot reach the job's store to {what} ({e}); it "
-                                    f"stops rather than go on alone") from None
-        if answer is _UNANSWERED:
-            raise WorkerFailedError(f"worker {identity} is cut off from the job's store (it did not answer "
-                                    f"within {probe.seconds:g}s while trying to {what}); it stops rather than "
-                                    f"go on alone")
-        return answer
 
     call("post that it is alive", lambda s: s.set(alive[identity], str(completed)))
     deadline = time.monotonic() + timeout
@@ -120,13 +134,16 @@ def agree(store: Any, epoch: int, identity: int, completed: int, members: Sequen
         posted: list[int] = call("read who is alive", lambda s: [m for m, key in alive.items() if s.check([key])])
         gone = {members[r] for r in stopped() if r < len(members)} - set(posted)
         waiting = set(members) - set(posted) - gone
-        if not waiting or time.monotonic() >= deadline:
+        if not propose and time.monotonic() >= deadline:
+            raise WorkerFailedError(f"worker {identity} asked to join epoch {epoch + 1}, but its members did not "
+                                    f"decide within {timeout:g}s")
+        if propose and (not waiting or time.monotonic() >= deadline):
             _propose(call, decided, alive, posted, epoch + 1)
             continue
         time.sleep(pace)
 
 
-def _propose(call: Callable[[str, Callable[[Any], Any]], Any], decided: str, alive: dict[int, str],
+def _propose(call: StoreCalls, decided: str, alive: dict[int, str],
              posted: list[int], epoch: int) -> None:
     """Proposes the members that posted, newest state first; the store keeps the first proposal."""
     steps: dict[int, int] = call("read who is alive", lambda s: {m: int(s.get(alive[m])) for m in posted})
@@ -140,3 +157,74 @@ def give_up(store: Any, epoch: int, message: str) -> None:
     regrouping mends (its replica function raised): they stop too, with ``message``."""
     probe = StoreProbe(store)
     probe(None, lambda s: s.set(f"{epoch_prefix(epoch)}/fatal", message))
+
+
+# ---------------------------------------------------------------------- joining
+
+_JOINS = "crossreplica/ft/joins"  # a count: each joining worker's ticket is its place in it
+_FOUNDERS = "crossreplica/ft/founders"  # how many workers started the job (identities 0..n-1)
+
+
+def found(store: Any, workers: int) -> None:
+    """Records, once, how many workers started the job: a joining worker's identity comes
+    after theirs."""
+    StoreCalls(store, 0)("record the job's size", lambda s: s.compare_set(_FOUNDERS, "", str(workers)))
+
+
+def request_join(store: Any, timeout: float) -> tuple[int, int]:
+    """Asks to join the running job; returns this worker's ticket and identity (the
+    founders' count plus the ticket)."""
+    call = StoreCalls(store, -1)
+    ticket = int(call("ask to join", lambda s: s.add(_JOINS, 1))) - 1
+    deadline = time.monotonic() + timeout
+    while not call("read the job's size", lambda s: s.check([_FOUNDERS])):
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"no fault-tolerant job (cr.FaultTolerance) runs in this store: none started within "
+                               f"{timeout:g}s; start the job's workers, or unset CROSSREPLICA_JOIN")
+        time.sleep(0.05)
+    return ticket, int(call("read the job's size", lambda s: s.get(_FOUNDERS))) + ticket
+
+
+def joiners_waiting(call: StoreCalls, seen: int) -> range:
+    """The tickets of workers that asked to join since ticket ``seen``."""
+    return range(seen, int(call("read who asks to join", lambda s: s.add(_JOINS, 0))))
+
+
+def announce_growth(call: StoreCalls, epoch: int, members: Sequence[int], at_step: int, tickets: range) -> None:
+    """Epoch ``epoch``'s chief admits the workers holding ``tickets`` as step ``at_step``
+    starts: every member reads the decision at a step's start (:func:`growth`), and each
+    joining worker learns the epoch and its members."""
+    text = f"{at_step}:{tickets.start}:{tickets.stop}"
+    call("admit joining workers", lambda s: s.compare_set(f"{epoch_prefix(epoch)}/grow", "", text))
+    invitation = f"{epoch}:" + ",".join(map(str, members))
+    keys = [f"crossreplica/ft/join/{t}" for t in tickets]
+    call("admit joining workers", lambda s: [s.set(key, invitation) for key in keys])
+
+
+def growth(call: StoreCalls, epoch: int) -> tuple[int, range] | None:
+    """Epoch ``epoch``'s decision to admit joining workers: the step as which they join
+    and their tickets; None when there is none."""
+    key = f"{epoch_prefix(epoch)}/grow"
+    if not call("read who joins", lambda s: s.check([key])):
+        return None
+    step, start, stop = (int(v) for v in call("read who joins", lambda s: s.get(key)).decode().split(":"))
+    return step, range(start, stop)
+
+
+def await_invitation(store: Any, identity: int, ticket: int, after_epoch: int,
+                     timeout: float) -> tuple[int, tuple[int, ...]]:
+    """The epoch (later than ``after_epoch``) at whose agreement this joining worker is
+    expected, and that epoch's members."""
+    call = StoreCalls(store, identity)
+    key = f"crossreplica/ft/join/{ticket}"
+    deadline = time.monotonic() + timeout
+    while True:
+        if call("read its invitation", lambda s: s.check([key])):
+            epoch, _, members = call("read its invitation", lambda s: s.get(key)).decode().partition(":")
+            if int(epoch) > after_epoch:
+                return int(epoch), tuple(int(m) for m in members.split(","))
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"worker {identity} asked to join the running job, but no member admitted it within "
+                               f"{timeout:g}s (members admit joining workers as a step of cr.FaultTolerance.run "
+                               f"starts); is the job still training?")
+        time.sleep(0.02)

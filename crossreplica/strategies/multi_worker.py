@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import logging
 import os
+import secrets
 import socket
 import warnings
 from typing import Any
@@ -43,7 +44,7 @@ from ..logs import ConfigurationWarning
 from ..reduce_op import ReduceOp, from_wire, mean_scale, to_wire
 from ..timeouts import canonical_timeout
 from .base import Strategy, StrategyExtended
-from .job_store import form_job
+from .job_store import form_job, join_job
 from .logical_devices import group_devices
 from .network import bounded, choose_gloo_interface
 
@@ -112,6 +113,8 @@ class MultiWorkerExtended(StrategyExtended):
     engine_options: dict[str, Any]
     #: the store every worker of the job shares, or None
     job_store: Any
+    #: this worker waits, alone, to join a running fault-tolerant job (``CROSSREPLICA_JOIN``)
+    joining: bool = False
 
     @property
     def worker_rank(self) -> int:
@@ -299,6 +302,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         # one leaves no process group behind.
         shared = settings.shared_memory()
         settings.job_secret()
+        settings.join()
         settings.slow_seconds()
         settings.heartbeat_seconds()
         local_rank = _env_int("LOCAL_RANK", 0) or 0
@@ -309,7 +313,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             backend = "nccl" if on_cuda else "gloo"
         if backend == "nccl" and not on_cuda:
             raise ValueError("backend='nccl' needs the replicas on CUDA devices; use backend='gloo' on CPU")
-        self._owns_process_group = self._init_process_group(backend, timeout)
+        self._owns_process_group, job_store, joining = self._init_process_group(backend, timeout)
         comm = None
         if str(dist.get_backend()) == "nccl":
             torch.cuda.set_device(devs[0])
@@ -321,7 +325,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         self.extended.engine_options = options
         #: the store every worker of this job shares (the first process group's): where a
         #: fault-tolerant job agrees on its membership after a loss (``regroup``)
-        self.extended.job_store = tp.default_store()
+        self.extended.job_store = tp.default_store() if job_store is None else job_store
+        self.extended.joining = joining
         self.extended.communication_options = communication_options
         self.extended.set_logical_devices(groups)
         self.extended.layout_invariant = check_layout(layout_invariant, engine.num_replicas)
@@ -366,15 +371,17 @@ class MultiWorkerMirroredStrategy(Strategy):
         return [torch.device("cpu")] * (r * k)
 
     @staticmethod
-    def _init_process_group(backend: str, timeout: float) -> bool:
-        """Initialises torch.distributed from the launcher environment unless the user did."""
+    def _init_process_group(backend: str, timeout: float) -> tuple[bool, Any, bool]:
+        """Initialises torch.distributed from the launcher environment unless the user did;
+        returns whether it did, the store every worker of the job shares (None: the
+        process group's), and whether this worker joins a running job (``CROSSREPLICA_JOIN``)."""
         if not dist.is_available():
             raise RuntimeError("MultiWorkerMirroredStrategy needs torch.distributed, which this "
                                "PyTorch build lacks")
         if dist.is_initialized():
             _log.info("using the existing process group: rank %d of %d, backend %s", dist.get_rank(),
                       dist.get_world_size(), dist.get_backend())
-            return False
+            return False, None, False
         td = datetime.timedelta(seconds=timeout)
         world = _env_int("WORLD_SIZE")
         rank = _env_int("RANK")
@@ -383,7 +390,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             _log.info("no launcher environment (RANK, WORLD_SIZE): running as a single worker (backend %s)",
                       backend)
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
-            return True
+            return True, None, False
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
         if missing:
             raise ValueError(
@@ -398,7 +405,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             raise ValueError(f"MASTER_PORT={port} must be a TCP port in 1..65535")
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         address = os.environ["MASTER_ADDR"]
-        is_master = rank == 0 and not agent_store
+        is_master = rank == 0 and not agent_store and not settings.join()
         # The store serves where the user asked (MASTER_ADDR), not on every interface.
         listener = _listen(address, port) if is_master else None
         try:
@@ -411,6 +418,15 @@ class MultiWorkerMirroredStrategy(Strategy):
             raise
         if listener is not None:
             listener.detach()  # the store's server now owns the socket; closing ours would close it
+        if settings.join():
+            # Alone until cr.FaultTolerance admits it into the job at a step boundary
+            # (regroup): set-up collectives (mirror, ...) meet nobody meanwhile.
+            job = join_job(tcp_store, timeout)
+            _log.info("joining the running job in the store at MASTER_ADDR=%s MASTER_PORT=%d (CROSSREPLICA_JOIN); "
+                      "alone until cr.FaultTolerance admits this worker", address, port)
+            dist.init_process_group(backend, store=dist.PrefixStore(f"joiners/{secrets.token_hex(8)}", job),
+                                    rank=0, world_size=1, timeout=td)
+            return True, job, True
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         if attempt not in ("", "0"):
             _log.warning("worker rank %d was restarted by the elastic agent (TORCHELASTIC_RESTART_COUNT=%s): "
@@ -435,7 +451,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                      "name must not resolve to 127.0.1.1 when peers are remote), or set GLOO_SOCKET_IFNAME "
                      "(NCCL_SOCKET_IFNAME) to the interface that reaches MASTER_ADDR"):
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=td)
-        return True
+        return True, store, False
 
     def close(self) -> None:
         """Releases subgroups and, if this strategy created it, the process group."""
