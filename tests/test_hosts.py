@@ -367,3 +367,98 @@ def test_ordered_reductions_cross_each_host_boundary_once_each_way(per_host, rep
     for ok, chain, layout_seen, sent in results:
         assert (ok, chain, layout_seen) == ("True", "5", layout), results
         assert float(sent) < 1.3, results  # the vector once per host (plus headers)
+
+
+_FT_LOOP = """
+import logging, os, sys, time
+import torch
+from torch import nn
+import crossreplica as cr
+logging.basicConfig(level=logging.WARNING)
+out, steps, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+strategy = cr.MultiWorkerMirroredStrategy(backend="gloo", timeout_seconds=timeout,
+                                          layout_invariant=cr.LayoutInvariant(micro_batches=6, results="sum"))
+torch.manual_seed(0)
+model = strategy.mirror(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3)))
+opts = strategy.run(lambda m: cr.CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)),
+                    args=(model,))
+ft = cr.FaultTolerance(strategy, (model, opts))
+
+def step(model, opt, batch):
+    x, y = batch
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+g = torch.Generator().manual_seed(1)
+print("ready", flush=True)
+try:
+    for i in range(steps):
+        batch = (torch.randn(24, 8, generator=g), torch.randint(0, 3, (24,), generator=g))
+        ft.run(step, batch, args=(model, opts), reduce="sum")
+        time.sleep(0.05)
+except Exception as e:
+    print(f"FAILED {type(e).__name__}: {e}", flush=True)
+    sys.exit(3)
+torch.save(strategy.experimental_local_results(model)[0].state_dict(), f"{out}.{ft.identity}")
+print(f"members {list(ft.members)}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["cut", "kill"])
+def test_a_fault_tolerant_job_goes_on_without_a_host_cut_off_which_stops_itself(how):
+    """Workers 0 and 1 on host 0 (worker 0 serves the store), worker 2 on host 1, in a
+    fault-tolerant job; host 1's link goes down mid-training (or its worker is killed). The
+    survivors agree without worker 2 and finish with the parameters of the uninterrupted run
+    (layout-invariant: any worker count gives the same bits); worker 2, cut off from the
+    store, cannot take part in any agreement and stops within the timeout without writing
+    anything: no second job."""
+    timeout, steps = 8.0, 80
+    out_dir = tempfile.mkdtemp(prefix="crossreplica-hosts-test-", dir="/var/tmp")
+    try:
+        out = os.path.join(out_dir, "params")
+        reference = os.path.join(out_dir, "reference")
+        subprocess.run([sys.executable, "-c", _FT_LOOP, reference, str(steps), str(timeout)], cwd=REPO, env=_env(),
+                       check=True, capture_output=True, timeout=120)  # one worker, no launcher
+        with SimulatedHosts(2) as hosts:
+            port, job = str(_port()), _env()
+            procs = []
+            for rank, host in enumerate((0, 0, 1)):
+                env = {**job, "RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": hosts.addresses[0], "MASTER_PORT": port}
+                procs.append(hosts.start(host, [sys.executable, "-c", _FT_LOOP, out, str(steps), str(timeout)],
+                                         env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         text=True))
+            early = [""] * 3
+            for rank, p in enumerate(procs):
+                assert p.stdout is not None
+                while (line := p.stdout.readline()) and line.strip() != "ready":
+                    early[rank] += line
+                assert line, early[rank]
+            time.sleep(0.5)
+            cut = time.monotonic()
+            if how == "cut":
+                hosts.link_down(1)
+            else:
+                procs[2].kill()
+            cut_off = _wait_all(procs[2:], timeout=timeout + 30)[0]
+            took = time.monotonic() - cut
+            survivors = _wait_all(procs[:2], timeout=120)
+        outs = [early[0] + survivors[0], early[1] + survivors[1], early[2] + cut_off]
+        print(f"the cut-off worker stopped {took:.1f}s after the cut (timeout {timeout:g}s)")
+        assert [p.returncode for p in procs] == [0, 0, 3 if how == "cut" else -signal.SIGKILL], outs
+        assert all("members [0, 1]" in o and "lost workers [2]" in o for o in outs[:2]), outs
+        if how == "cut":
+            assert "cut off from the job's store" in outs[2] or "cannot reach the job's store" in outs[2], outs[2]
+        assert took < timeout + 10, (took, outs[2])
+        assert not os.path.exists(f"{out}.2")  # it wrote nothing
+        want = torch.load(f"{reference}.0", weights_only=True)
+        for identity in (0, 1):
+            got = torch.load(f"{out}.{identity}", weights_only=True)
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    finally:
+        import shutil
+
+        shutil.rmtree(out_dir, ignore_errors=True)
