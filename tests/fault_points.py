@@ -11,6 +11,8 @@ kill (``os._exit``), freeze (SIGSTOP) or rejoin (killed, then started again by
 ``crossreplica launch --max-restarts 1``: it joins at a step boundary, while the
 survivors pace their steps until it is back). STEP counts from 1. The chief writes
 the final parameters to OUT, every worker its own to OUT.workerN (N: its identity).
+FAULT_POINTS_LOCAL_REPLICAS (default 1): in-process replicas per worker (the
+layout-invariant mode then has 6 micro-batches per local replica).
 """
 
 import logging
@@ -37,8 +39,9 @@ def lose_worker(ft: cr.FaultTolerance, point: str, how: str, at: str, step: int,
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     out, mode, point, how, lose_step = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
-    layout = cr.LayoutInvariant(micro_batches=6, results="sum") if mode == "invariant" else None
-    strategy = cr.MultiWorkerMirroredStrategy(backend="gloo", layout_invariant=layout)
+    local = int(os.environ.get("FAULT_POINTS_LOCAL_REPLICAS", "1"))
+    layout = cr.LayoutInvariant(micro_batches=6 * local, results="sum") if mode == "invariant" else None
+    strategy = cr.MultiWorkerMirroredStrategy(local, backend="gloo", layout_invariant=layout)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
     model = strategy.mirror(net)

@@ -258,7 +258,8 @@ def test_without_fault_tolerance_a_lost_worker_still_fails_the_job(tmp_path):
     assert "WorkerFailedError" in done.stderr
 
 
-def _lose_at(tmp_path, name: str, mode: str, point: str, how: str, step: int) -> dict[str, torch.Tensor]:
+def _lose_at(tmp_path, name: str, mode: str, point: str, how: str, step: int,
+             local_replicas: int = 1) -> dict[str, torch.Tensor]:
     """``tests/fault_points.py`` on 3 workers, worker 1 lost at ``point`` of ``step`` (0: never)."""
     out = tmp_path / f"{name}.pt"
     restarts = "1" if how == "rejoin" else "0"
@@ -268,7 +269,8 @@ def _lose_at(tmp_path, name: str, mode: str, point: str, how: str, step: int) ->
     # Losing worker 2 as the survivors regroup costs them a timeout while the group forms
     # and one while they agree again (no heartbeats to watch in between): a short one.
     timeout = "8" if point == "regroup" else "30"
-    env = {**os.environ, "CROSSREPLICA_TIMEOUT": timeout, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "CROSSREPLICA_TIMEOUT": timeout, "OMP_NUM_THREADS": "1",
+           "FAULT_POINTS_LOCAL_REPLICAS": str(local_replicas)}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
     if point == "regroup":
@@ -310,3 +312,12 @@ def test_a_worker_lost_at_any_point_of_a_step_and_even_started_again_ends_at_the
         assert all(torch.equal(got[k], want[k]) for k in got)
     else:
         assert all(torch.allclose(got[k], want[k], rtol=0, atol=1e-6) for k in got)
+
+
+@pytest.mark.multiprocess
+def test_with_two_replicas_per_worker_a_lost_worker_that_comes_back_leaves_the_uninterrupted_result(tmp_path):
+    # 3 workers x 2 in-process replicas (the hierarchical engine), 12 micro-batches: 6, then
+    # 4, then 6 replicas again.
+    want = _lose_at(tmp_path, "reference", "invariant", "none", "kill", 0, local_replicas=2)
+    got = _lose_at(tmp_path, "rejoin", "invariant", "forward", "rejoin", 2, local_replicas=2)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
