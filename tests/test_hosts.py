@@ -375,7 +375,7 @@ import torch
 from torch import nn
 import crossreplica as cr
 logging.basicConfig(level=logging.WARNING)
-out, steps, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+out, steps, timeout, members = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
 strategy = cr.MultiWorkerMirroredStrategy(backend="gloo", timeout_seconds=timeout,
                                           layout_invariant=cr.LayoutInvariant(micro_batches=6, results="sum"))
 torch.manual_seed(0)
@@ -394,11 +394,15 @@ def step(model, opt, batch):
 
 g = torch.Generator().manual_seed(1)
 print("ready", flush=True)
+deadline = time.monotonic() + 60
 try:
-    for i in range(steps):
+    for i in range(1, steps + 1):
         batch = (torch.randn(24, 8, generator=g), torch.randint(0, 3, (24,), generator=g))
+        if i <= ft.completed:  # a joining worker: done before it came
+            continue
         ft.run(step, batch, args=(model, opts), reduce="sum")
-        time.sleep(0.05)
+        # Short-handed (a worker lost, one to join): slower, so the joining one can come.
+        time.sleep(0.3 if len(ft.members) < members and time.monotonic() < deadline else 0.05)
 except Exception as e:
     print(f"FAILED {type(e).__name__}: {e}", flush=True)
     sys.exit(3)
@@ -407,30 +411,33 @@ print(f"members {list(ft.members)}", flush=True)
 """
 
 
-@pytest.mark.parametrize("how", ["cut", "kill"])
+@pytest.mark.parametrize("how", ["cut", "kill", "rejoin"])
 def test_a_fault_tolerant_job_goes_on_without_a_host_cut_off_which_stops_itself(how):
     """Workers 0 and 1 on host 0 (worker 0 serves the store), worker 2 on host 1, in a
     fault-tolerant job; host 1's link goes down mid-training (or its worker is killed). The
     survivors agree without worker 2 and finish with the parameters of the uninterrupted run
     (layout-invariant: any worker count gives the same bits); worker 2, cut off from the
     store, cannot take part in any agreement and stops within the timeout without writing
-    anything: no second job."""
+    anything: no second job. "rejoin": the killed worker is started again by hand on host 1
+    (CROSSREPLICA_JOIN=1), joins at a step boundary with the live state from host 0, and all
+    three finish."""
     timeout, steps = 8.0, 80
     out_dir = tempfile.mkdtemp(prefix="crossreplica-hosts-test-", dir="/var/tmp")
     try:
         out = os.path.join(out_dir, "params")
         reference = os.path.join(out_dir, "reference")
-        subprocess.run([sys.executable, "-c", _FT_LOOP, reference, str(steps), str(timeout)], cwd=REPO, env=_env(),
-                       check=True, capture_output=True, timeout=120)  # one worker, no launcher
+        subprocess.run([sys.executable, "-c", _FT_LOOP, reference, str(steps), str(timeout), "1"], cwd=REPO,
+                       env=_env(), check=True, capture_output=True, timeout=120)  # one worker, no launcher
         with SimulatedHosts(2) as hosts:
             port, job = str(_port()), _env()
             procs = []
+            members = "3" if how == "rejoin" else "2"
+            envs = [{**job, "RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_RANK": str(rank),
+                     "MASTER_ADDR": hosts.addresses[0], "MASTER_PORT": port} for rank in range(3)]
             for rank, host in enumerate((0, 0, 1)):
-                env = {**job, "RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_RANK": str(rank),
-                       "MASTER_ADDR": hosts.addresses[0], "MASTER_PORT": port}
-                procs.append(hosts.start(host, [sys.executable, "-c", _FT_LOOP, out, str(steps), str(timeout)],
-                                         env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                         text=True))
+                procs.append(hosts.start(host, [sys.executable, "-c", _FT_LOOP, out, str(steps), str(timeout),
+                                                members], env=envs[rank], cwd=REPO, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True))
             early = [""] * 3
             for rank, p in enumerate(procs):
                 assert p.stdout is not None
@@ -445,17 +452,27 @@ def test_a_fault_tolerant_job_goes_on_without_a_host_cut_off_which_stops_itself(
                 procs[2].kill()
             cut_off = _wait_all(procs[2:], timeout=timeout + 30)[0]
             took = time.monotonic() - cut
-            survivors = _wait_all(procs[:2], timeout=120)
-        outs = [early[0] + survivors[0], early[1] + survivors[1], early[2] + cut_off]
+            if how == "rejoin":
+                procs.append(hosts.start(1, [sys.executable, "-c", _FT_LOOP, out, str(steps), str(timeout), members],
+                                         env={**envs[2], "CROSSREPLICA_JOIN": "1"}, cwd=REPO,
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            survivors = _wait_all(procs[:2] + procs[3:], timeout=120)
+        outs = [early[0] + survivors[0], early[1] + survivors[1], early[2] + cut_off, *survivors[2:]]
         print(f"the cut-off worker stopped {took:.1f}s after the cut (timeout {timeout:g}s)")
-        assert [p.returncode for p in procs] == [0, 0, 3 if how == "cut" else -signal.SIGKILL], outs
-        assert all("members [0, 1]" in o and "lost workers [2]" in o for o in outs[:2]), outs
+        assert [p.returncode for p in procs] == [0, 0, 3 if how == "cut" else -signal.SIGKILL,
+                                                 *([0] if how == "rejoin" else [])], outs
+        assert all("lost workers [2]" in o for o in outs[:2]), outs
+        if how == "rejoin":  # the joining worker is worker 3, rank 2 on host 1 again
+            assert all("members [0, 1, 3]" in o and "admitted joining workers [3]" in o for o in outs[:2]), outs
+            assert "worker 3: joined the running job" in outs[3] and "members [0, 1, 3]" in outs[3], outs[3]
+        else:
+            assert all("members [0, 1]" in o for o in outs[:2]), outs
         if how == "cut":
             assert "cut off from the job's store" in outs[2] or "cannot reach the job's store" in outs[2], outs[2]
         assert took < timeout + 10, (took, outs[2])
         assert not os.path.exists(f"{out}.2")  # it wrote nothing
         want = torch.load(f"{reference}.0", weights_only=True)
-        for identity in (0, 1):
+        for identity in (0, 1, 3) if how == "rejoin" else (0, 1):
             got = torch.load(f"{out}.{identity}", weights_only=True)
             assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
     finally:
