@@ -370,12 +370,13 @@ def test_ordered_reductions_cross_each_host_boundary_once_each_way(per_host, rep
 
 
 _FT_LOOP = """
-import logging, os, sys, time
+import logging, os, subprocess, sys, time
 import torch
 from torch import nn
 import crossreplica as cr
 logging.basicConfig(level=logging.WARNING)
 out, steps, timeout, members = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+cut_at = sys.argv[5]  # worker 2 takes its host's link down at this point of step 5 (or "none")
 strategy = cr.MultiWorkerMirroredStrategy(backend="gloo", timeout_seconds=timeout,
                                           layout_invariant=cr.LayoutInvariant(micro_batches=6, results="sum"))
 torch.manual_seed(0)
@@ -383,6 +384,16 @@ model = strategy.mirror(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32,
 opts = strategy.run(lambda m: cr.CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)),
                     args=(model,))
 ft = cr.FaultTolerance(strategy, (model, opts))
+i = 0
+
+def cut(point):
+    if point == cut_at and i == 5 and ft.identity == 2:
+        subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
+
+for copy in strategy.experimental_local_results(model):
+    copy.register_forward_pre_hook(lambda m, args: cut("forward"))
+for opt in strategy.experimental_local_results(opts):
+    opt.optimizer.register_step_pre_hook(lambda o, args, kwargs: cut("optimizer"))
 
 def step(model, opt, batch):
     x, y = batch
@@ -411,14 +422,15 @@ print(f"members {list(ft.members)}", flush=True)
 """
 
 
-@pytest.mark.parametrize("how", ["cut", "kill", "rejoin"])
+@pytest.mark.parametrize("how", ["cut", "kill", "rejoin", "cut-in-forward", "cut-in-optimizer"])
 def test_a_fault_tolerant_job_goes_on_without_a_host_cut_off_which_stops_itself(how):
     """Workers 0 and 1 on host 0 (worker 0 serves the store), worker 2 on host 1, in a
     fault-tolerant job; host 1's link goes down mid-training (or its worker is killed). The
     survivors agree without worker 2 and finish with the parameters of the uninterrupted run
     (layout-invariant: any worker count gives the same bits); worker 2, cut off from the
     store, cannot take part in any agreement and stops within the timeout without writing
-    anything: no second job. "rejoin": the killed worker is started again by hand on host 1
+    anything: no second job. "cut-in-forward", "cut-in-optimizer": worker 2 takes its
+    host's link down itself at that point of step 5. "rejoin": the killed worker is started again by hand on host 1
     (CROSSREPLICA_JOIN=1), joins at a step boundary with the live state from host 0, and all
     three finish."""
     timeout, steps = 8.0, 80
@@ -426,17 +438,18 @@ def test_a_fault_tolerant_job_goes_on_without_a_host_cut_off_which_stops_itself(
     try:
         out = os.path.join(out_dir, "params")
         reference = os.path.join(out_dir, "reference")
-        subprocess.run([sys.executable, "-c", _FT_LOOP, reference, str(steps), str(timeout), "1"], cwd=REPO,
+        subprocess.run([sys.executable, "-c", _FT_LOOP, reference, str(steps), str(timeout), "1", "none"], cwd=REPO,
                        env=_env(), check=True, capture_output=True, timeout=120)  # one worker, no launcher
         with SimulatedHosts(2) as hosts:
             port, job = str(_port()), _env()
             procs = []
             members = "3" if how == "rejoin" else "2"
+            point = how.removeprefix("cut-in-") if how.startswith("cut-in-") else "none"
             envs = [{**job, "RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_RANK": str(rank),
                      "MASTER_ADDR": hosts.addresses[0], "MASTER_PORT": port} for rank in range(3)]
             for rank, host in enumerate((0, 0, 1)):
                 procs.append(hosts.start(host, [sys.executable, "-c", _FT_LOOP, out, str(steps), str(timeout),
-                                                members], env=envs[rank], cwd=REPO, stdout=subprocess.PIPE,
+                                                members, point], env=envs[rank], cwd=REPO, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, text=True))
             early = [""] * 3
             for rank, p in enumerate(procs):
@@ -448,18 +461,19 @@ def test_a_fault_tolerant_job_goes_on_without_a_host_cut_off_which_stops_itself(
             cut = time.monotonic()
             if how == "cut":
                 hosts.link_down(1)
-            else:
+            elif how in ("kill", "rejoin"):
                 procs[2].kill()
             cut_off = _wait_all(procs[2:], timeout=timeout + 30)[0]
             took = time.monotonic() - cut
             if how == "rejoin":
-                procs.append(hosts.start(1, [sys.executable, "-c", _FT_LOOP, out, str(steps), str(timeout), members],
+                procs.append(hosts.start(1, [sys.executable, "-c", _FT_LOOP, out, str(steps), str(timeout), members,
+                                             "none"],
                                          env={**envs[2], "CROSSREPLICA_JOIN": "1"}, cwd=REPO,
                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
             survivors = _wait_all(procs[:2] + procs[3:], timeout=120)
         outs = [early[0] + survivors[0], early[1] + survivors[1], early[2] + cut_off, *survivors[2:]]
         print(f"the cut-off worker stopped {took:.1f}s after the cut (timeout {timeout:g}s)")
-        assert [p.returncode for p in procs] == [0, 0, 3 if how == "cut" else -signal.SIGKILL,
+        assert [p.returncode for p in procs] == [0, 0, 3 if how.startswith("cut") else -signal.SIGKILL,
                                                  *([0] if how == "rejoin" else [])], outs
         assert all("lost workers [2]" in o for o in outs[:2]), outs
         if how == "rejoin":  # the joining worker is worker 3, rank 2 on host 1 again
@@ -467,7 +481,7 @@ def test_a_fault_tolerant_job_goes_on_without_a_host_cut_off_which_stops_itself(
             assert "worker 3: joined the running job" in outs[3] and "members [0, 1, 3]" in outs[3], outs[3]
         else:
             assert all("members [0, 1]" in o for o in outs[:2]), outs
-        if how == "cut":
+        if how.startswith("cut"):
             assert "cut off from the job's store" in outs[2] or "cannot reach the job's store" in outs[2], outs[2]
         assert took < timeout + 10, (took, outs[2])
         assert not os.path.exists(f"{out}.2")  # it wrote nothing
