@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...errors import CollectiveTimeoutError, ReplicaAborted
+from ...errors import CollectiveTimeoutError
 from ...reduce_op import WIRE_DTYPES, ReduceOp
 from ..base import Pending
 from ..reduction import reduce_into
@@ -170,34 +170,20 @@ class SharedMemoryReducer:
 
     def _meet(self, what: str, value: str = "1") -> list[bytes]:
         """Posts this worker's ``value`` at ``what`` in the store, waits for every worker's
-        (bounded by the timeout, abort-aware) and returns them in rank order."""
+        (``watchdog.until``: bounded by the timeout, abort-aware) and returns them in rank order."""
         watchdog, rank = self._eng.watchdog, self._eng.rank
         store, prefix = watchdog.store, f"{watchdog.prefix}/shm/{what}"
         store.set(f"{prefix}/{rank}", value)
         keys = [f"{prefix}/{r}" for r in range(self._eng.world_size)]
-        deadline = time.monotonic() + watchdog.timeout
-        pause, warned, posted = 1e-4, False, False
-        while not store.check(keys):
-            if not posted and pause >= 0.01:  # where this worker waits, for the others' reports
-                watchdog.post_progress()
-                posted = True
-            aborted = watchdog.abort_message()
-            if aborted is not None:
-                raise ReplicaAborted(f"{aborted}; this worker was released from {watchdog.where}")
-            if not warned and watchdog.timeout - (deadline - time.monotonic()) >= watchdog.slow:
-                warned = True
-                watchdog.warn_slow(deadline, range(self._eng.world_size),
-                                   [r for r, key in enumerate(keys) if not store.check([key])])
-            if time.monotonic() >= deadline:
-                late = [r for r, key in enumerate(keys) if not store.check([key])]
-                raise CollectiveTimeoutError(
-                    f"collective {watchdog.where} timed out after {watchdog.timeout:g}s on worker rank {rank} "
-                    f"setting up its shared-memory buffer: worker ranks {late} (replicas {late}) never arrived",
-                    tuple(late))
-            time.sleep(pause)
-            pause = min(2 * pause, 0.02)
-        if warned:
-            watchdog.completed(deadline)
+
+        def late() -> list[int]:
+            return [r for r, key in enumerate(keys) if not store.check([key])]
+
+        watchdog.until(lambda: bool(store.check(keys)), range(self._eng.world_size), late, pace=0.02,
+                       timed_out=lambda missing: CollectiveTimeoutError(
+                           f"collective {watchdog.where} timed out after {watchdog.timeout:g}s on worker rank {rank} "
+                           f"setting up its shared-memory buffer: worker ranks {missing} (replicas {missing}) never "
+                           f"arrived", tuple(missing)))
         return [store.get(key) for key in keys]
 
     def _probe(self) -> bool:
@@ -331,48 +317,40 @@ class SharedMemoryReducer:
         return os.path.join(SHM_DIR, f"crossreplica-{self._tokens[rank]}-{index}")
 
     def _finish(self, rounds: list[_Round], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Waits (bounded, abort-aware) until every worker has published each round."""
+        """Waits (``watchdog.until``: bounded, abort-aware) until every worker has published
+        each round. Each attempt spins, then sleeps briefly, for up to ``_ABORT_CHECK``
+        seconds, so the watchdog's store reads stay off a fast round's path."""
         eng = self._eng
         watchdog = eng.watchdog
-        deadline = time.monotonic() + watchdog.timeout
-        next_check, pause = time.monotonic() + _ABORT_CHECK, 5e-5
-        spin_until = time.monotonic() + _SPIN
-        warned = posted = False
-        while True:
-            self.progress()
-            if all(r.reduced and _all_at_least(r.segment.headers, _PUBLISHED, r.seq) for r in rounds):
-                if warned:
-                    watchdog.completed(deadline)
-                break
-            now = time.monotonic()
-            if now >= next_check:
-                next_check = now + _ABORT_CHECK
-                if not posted:  # where this worker waits, for the others' reports (watchdog.py)
-                    watchdog.post_progress()
-                    posted = True
-                aborted = watchdog.abort_message()
-                if aborted is not None:
-                    raise ReplicaAborted(f"{aborted}; this worker was released from {watchdog.where}")
-                dead = [rank for rank, pid in enumerate(self._pids) if rank != eng.rank and not alive(pid)]
-                if dead:
-                    raise WorkerFailedError(
-                        f"collective {watchdog.where} failed on worker rank {eng.rank} (same-host shared "
-                        f"memory): worker ranks {dead} (replicas {dead}) died", tuple(dead))
-                watchdog.raise_if_peers_lost()  # frozen (SIGSTOP): alive, but its heartbeat stopped
-                if not warned and watchdog.timeout - (deadline - now) >= watchdog.slow:
-                    warned = True
-                    watchdog.warn_slow(deadline, range(eng.world_size), self._late(rounds))
-            if now >= deadline:
-                late = self._late(rounds)
-                raise CollectiveTimeoutError(
-                    f"collective {watchdog.where} timed out after {watchdog.timeout:g}s on worker rank "
-                    f"{eng.rank} (same-host shared memory): worker ranks {late} (replicas {late}) never "
-                    f"arrived (ranks taking part: {list(range(eng.world_size))})", tuple(late))
-            if now < spin_until:
-                os.sched_yield()
-            else:
-                time.sleep(pause)
-                pause = min(2 * pause, _MAX_PAUSE)
+        spin_until, pause = time.monotonic() + _SPIN, 5e-5
+
+        def attempt() -> bool:
+            nonlocal pause
+            give_up = time.monotonic() + _ABORT_CHECK
+            while True:
+                self.progress()
+                if all(r.reduced and _all_at_least(r.segment.headers, _PUBLISHED, r.seq) for r in rounds):
+                    return True
+                now = time.monotonic()
+                if now >= give_up:
+                    break
+                if now < spin_until:
+                    os.sched_yield()
+                else:
+                    time.sleep(pause)
+                    pause = min(2 * pause, _MAX_PAUSE)
+            dead = [rank for rank, pid in enumerate(self._pids) if rank != eng.rank and not alive(pid)]
+            if dead:
+                raise WorkerFailedError(
+                    f"collective {watchdog.where} failed on worker rank {eng.rank} (same-host shared "
+                    f"memory): worker ranks {dead} (replicas {dead}) died", tuple(dead))
+            return False
+
+        everyone = range(eng.world_size)
+        watchdog.until(attempt, everyone, lambda: self._late(rounds), timed_out=lambda late: CollectiveTimeoutError(
+            f"collective {watchdog.where} timed out after {watchdog.timeout:g}s on worker rank {eng.rank} "
+            f"(same-host shared memory): worker ranks {late} (replicas {late}) never arrived (ranks taking "
+            f"part: {list(everyone)})", tuple(late)))
         _memory_fence()
         return tensors
 
