@@ -178,6 +178,32 @@ def test_slow_collective_names_the_replicas_not_arrived(caplog, monkeypatch):
     assert not _records(caplog, logging.WARNING)
 
 
+def test_a_slow_overlapped_bucket_reduction_names_the_replicas_not_arrived(caplog, monkeypatch):
+    # The buckets' all-reduces are asynchronous rounds: each replica deposits and goes on.
+    monkeypatch.setenv("CROSSREPLICA_SLOW_SECONDS", "0.2")
+    strategy = cr.MirroredStrategy(num_replicas=2, timeout_seconds=20)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    model = strategy.mirror(torch.nn.Linear(4, 2))
+    opts = strategy.run(lambda m: cr.CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), overlap=True),
+                        args=(model,))
+
+    def step(model, opt, x, delay):
+        opt.zero_grad()
+        if cr.replica_id() == 1:
+            time.sleep(delay)
+        model(x).sum().backward()
+        opt.step()
+
+    x = cr.PerReplica([torch.ones(3, 4), torch.full((3, 4), 2.0)])
+    strategy.run(step, args=(model, opts, x, 1.0))
+    warned = [r.getMessage() for r in _records(caplog, logging.WARNING)]
+    assert len(warned) == 1 and "has waited 0.2s: replicas [1] have not arrived yet (replicas [0] are waiting; " \
+        "asynchronous round #1 of this run); it fails after 20s" in warned[0], warned
+    caplog.clear()
+    strategy.run(step, args=(model, opts, x, 0.0))  # on time: nothing
+    assert not _records(caplog, logging.WARNING)
+
+
 # --------------------------------------------------------------------------- failures
 
 def _raise_on_1(x):

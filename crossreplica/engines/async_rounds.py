@@ -24,6 +24,7 @@ the timeout (naming the replicas that never deposited) release every waiter.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -39,6 +40,8 @@ from .reduction import reduce_into
 from .rendezvous import Rendezvous
 
 __all__ = ["AsyncRounds"]
+
+_log = logging.getLogger(__name__)
 
 _CHUNK_BYTES = 1 << 20  # the unit of work one replica claims
 
@@ -149,8 +152,12 @@ class AsyncRounds:
                     self._cond.notify_all()
 
     def _wait(self, i: int, k: int, call: Call, timeout: float) -> list[torch.Tensor]:
-        """Helps with whatever work is ready until round ``k`` is reduced; bounded, failure-aware."""
-        deadline = time.monotonic() + timeout
+        """Helps with whatever work is ready until round ``k`` is reduced; bounded, failure-aware,
+        and warning once, as the rendezvous does, when the round is slow."""
+        started = time.monotonic()
+        deadline = started + timeout
+        slow = self._rendezvous.slow
+        warn_at = started + slow if slow < timeout else math.inf
         while True:
             self.progress()
             failure = self._rendezvous.failure()
@@ -167,9 +174,17 @@ class AsyncRounds:
                     if r.claimed < len(r.chunks):
                         continue  # work to claim
                 missing = [j for j in range(self._n) if r.calls[j] is None]
-                left = deadline - time.monotonic()
+                now = time.monotonic()
+                if now >= warn_at and missing:
+                    warn_at = math.inf
+                    names = self._names
+                    _log.warning("collective %s has waited %.3gs: replicas %s have not arrived yet (replicas %s are "
+                                 "waiting; asynchronous round #%d of this run); it fails after %gs", call.describe(),
+                                 now - started, [names[j] for j in missing],
+                                 [names[j] for j in range(self._n) if r.calls[j] is not None], k + 1, timeout)
+                left = deadline - now
                 if left > 0 and not any(self._rendezvous.has_finished(j) for j in missing):
-                    self._cond.wait(min(left, 1.0))
+                    self._cond.wait(max(min(left, 1.0, warn_at - now), 1e-3))
                     continue
             self._fail(i, k, call, missing, timeout)
 
