@@ -53,3 +53,21 @@ def test_describe_keeps_its_wording(call, text):
 def test_compiled_parameter_strings_round_trip(params):
     kind = next(k for k, spec in SPECS.items() if spec.record is type(params))
     assert compiled._params(kind, compiled.encode(params)) == params
+
+
+def test_the_signature_workers_compare_masks_only_the_sizes_that_may_differ():
+    # all_gather: members may bring uneven parts along the gather dim; nothing else may differ.
+    a = Call.of(Kind.ALL_GATHER, G, AllGatherParams((0, 1)), [X, X])
+    b = Call.of(Kind.ALL_GATHER, G, AllGatherParams((0, 1)), [torch.ones(2, 6), torch.ones(4, 3)])
+    assert SPECS[Kind.ALL_GATHER].signature(a) == SPECS[Kind.ALL_GATHER].signature(b) == (
+        "all_gather(dim=[0, 1], groups=[[0, 1], [2, 3]], shapes=[[-1, 6], [4, -1]], dtypes=['float32', 'float32'])")
+    c = Call.of(Kind.ALL_GATHER, G, AllGatherParams((0, 1)), [torch.ones(4, 5), X])
+    assert SPECS[Kind.ALL_GATHER].signature(a) != SPECS[Kind.ALL_GATHER].signature(c)
+    for call, text in DESCRIBED:
+        if call.kind is not Kind.ALL_GATHER:
+            assert SPECS[call.kind].signature(call) == text
+
+
+def test_only_grouped_calls_are_checked_within_a_workers_part_of_each_group():
+    local = {kind for kind, spec in SPECS.items() if spec.compared_locally}
+    assert local == {Kind.ALL_REDUCE, Kind.ALL_GATHER, Kind.REDUCE_SCATTER, Kind.BROADCAST}

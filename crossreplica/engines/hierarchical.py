@@ -32,7 +32,8 @@ import torch
 
 from ..errors import CollectiveMismatchError
 from ..logs import slow_seconds
-from .base import FINISHED, Call, Kind, Pending, check_agreement
+from .base import FINISHED, Call, Pending, check_agreement
+from .kinds import SPECS
 from .rendezvous import Rendezvous
 from .streams import FencedRounds
 from .torch_dist import TorchDistEngine
@@ -41,11 +42,6 @@ from .torch_dist.all_reduce import start_gathered_all_reduce
 __all__ = ["HierarchicalEngine"]
 
 _log = logging.getLogger(__name__)
-
-# Calls whose groups are not narrowed to the local members before comparing (an
-# all_to_all's split sizes are checked by position in the whole group).
-_UNGROUPED = (Kind.MERGE_CALL, Kind.BARRIER, Kind.FINISHED, Kind.PERMUTE, Kind.ALL_TO_ALL)
-
 
 class _SharedPending:
     """One worker's asynchronous call, waited for by each of its local replicas: the
@@ -132,7 +128,7 @@ class HierarchicalEngine(TorchDistEngine):
         mine = set(self.local_replica_ids)
 
         def local_view(call: Call) -> Call:
-            if call.kind in _UNGROUPED:
+            if not SPECS[call.kind].compared_locally:
                 return call
             groups = tuple(group for group in (tuple(rid for rid in group if rid in mine)
                                                for group in call.groups) if group)

@@ -103,9 +103,29 @@ class Spec:
     saves_inputs: Callable[[Any], bool] = _never
     #: the backward (None: not differentiable)
     dual: Dual | None = None
+    #: per leaf, the dim along which the members' sizes may differ (None: none): masked in
+    #: the signature the workers compare (:meth:`signature`)
+    varying_dims: Callable[[Any], tuple[int, ...]] | None = None
 
     def describe_params(self, params: Any) -> list[str]:
         return [f"{label}={_fmt(getattr(params, field))}" for label, field in self.shown]
+
+    def signature(self, call: Call) -> str:
+        """What every worker's call must match: ``call.describe()`` with the sizes along
+        ``varying_dims`` masked."""
+        if self.varying_dims is None:
+            return call.describe()
+        shapes = tuple(tuple(-1 if i == dim else size for i, size in enumerate(shape))
+                       for dim, shape in zip(self.varying_dims(call.params), call.shapes))
+        return call._replace(shapes=shapes).describe()
+
+    @property
+    def compared_locally(self) -> bool:
+        """Whether an engine of several replicas per worker may check its local members'
+        calls within their part of each group. Not for meetings, calls whose groups are
+        every replica (permute: the pairs say who meets whom), or whose group agrees as a
+        whole (all_to_all's split sizes, by position in the whole group)."""
+        return not self.meeting and self.grouped and self.group_agree is None
 
 
 def _fmt(v: Any) -> str:
@@ -203,7 +223,7 @@ def gather(run: Run, groups: Groups, dims: tuple[int, ...], tensors: list[torch.
 
 ALL_GATHER = Spec(Kind.ALL_GATHER, AllGatherParams, shown=(("dim", "dims"),), shapes_agree=_all_gather_shapes,
                   out_shape=_all_gather_out, batched=lambda p, shift: AllGatherParams(shift(p.dims)),
-                  dual=_all_gather_dual)
+                  dual=_all_gather_dual, varying_dims=lambda p: p.dims)
 
 
 # --------------------------------------------------------------------------- reduce_scatter

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ...errors import CollectiveMismatchError
 from ..base import Call, Kind, check_agreement
+from ..kinds import SPECS
 from .gather import gather_fixed
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ __all__ = ["check_signatures"]
 
 def check_signatures(eng: TorchDistEngine, calls: Sequence[Call]) -> None:
     """Compares every worker's calls (hashed; the full calls only on a mismatch)."""
-    text = "\n".join(_normalised(c) for c in calls)
+    text = "\n".join(SPECS[c.kind].signature(c) for c in calls)
     digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
     mine = torch.tensor([digest], dtype=torch.int64, device=eng.comm_device)
     everyone = gather_fixed(eng, mine, None, tuple(range(eng.world_size)))
@@ -51,12 +52,3 @@ def check_signatures(eng: TorchDistEngine, calls: Sequence[Call]) -> None:
     except CollectiveMismatchError as e:
         raise CollectiveMismatchError(
             f"{e}\n(cross-process call #{count}; found by check_collectives)") from None
-
-
-def _normalised(call: Call) -> str:
-    """``call.describe()`` with all-gather sizes along the gather dim masked (they may differ)."""
-    if call.kind is not Kind.ALL_GATHER:
-        return call.describe()
-    shapes = tuple(tuple(-1 if i == dim else size for i, size in enumerate(shape))
-                   for dim, shape in zip(call.params.dims, call.shapes))
-    return call._replace(shapes=shapes).describe()
