@@ -286,7 +286,7 @@ def test_workers_log_setup_slow_collectives_and_failures(monkeypatch):
         logs = pool.logs(limit=200_000)
     assert "[rank 0]" in logs and "[rank 1]" in logs
     for rank in (0, 1):
-        assert f"INFO crossreplica.strategies.multi_worker: initialising the process group: rank {rank} of 2, " \
+        assert f"INFO crossreplica.strategies.bootstrap: initialising the process group: rank {rank} of 2, " \
                f"backend gloo, store at MASTER_ADDR=127.0.0.1" in logs
     assert "hierarchical layout: 2 workers x 2 local replicas (threads); worker rank 1 holds replicas [2, 3]" in logs
     assert "MultiWorkerMirroredStrategy: 4 replicas in sync, 2 workers x 2 local replicas (hierarchical engine)" \
