@@ -114,6 +114,23 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
     def timeout(self) -> float:
         return getattr(self.engine, "timeout", 300.0)
 
+    # ------------------------------------------------------------ workers
+
+    @property
+    def worker_rank(self) -> int:
+        """This worker's rank (0 in a single process)."""
+        return 0
+
+    @property
+    def num_workers(self) -> int:
+        """Worker processes in the job (1 in a single process)."""
+        return 1
+
+    @property
+    def is_chief(self) -> bool:
+        """True on the worker that holds replica 0."""
+        return self.worker_rank == 0
+
     @property
     def always_wrap(self) -> bool:
         """Whether run/merge_call wrap every per-replica leaf, even with one local replica or

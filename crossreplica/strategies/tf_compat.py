@@ -65,28 +65,19 @@ class TFCompatMethods:
 
 
 class TFCompatExtended:
-    """The ``strategy.extended`` side: worker facts and non-slot updates."""
+    """The ``strategy.extended`` side: TF's names for worker facts, and non-slot updates."""
 
-    if TYPE_CHECKING:  # LogicalDeviceExtended's property, earlier in StrategyExtended's bases
+    if TYPE_CHECKING:  # StrategyExtended's (and LogicalDeviceExtended's) properties
         @property
         def worker_devices(self) -> tuple[torch.device, ...]: ...
 
+        @property
+        def num_workers(self) -> int: ...
+
+        @property
+        def is_chief(self) -> bool: ...
+
     # ------------------------------------------------------------ workers
-
-    @property
-    def worker_rank(self) -> int:
-        """This worker's rank (0 in a single process)."""
-        return 0
-
-    @property
-    def num_workers(self) -> int:
-        """Worker processes in the job (1 in a single process)."""
-        return 1
-
-    @property
-    def is_chief(self) -> bool:
-        """True on the worker that holds replica 0."""
-        return self.worker_rank == 0
 
     @property
     def should_checkpoint(self) -> bool:
