@@ -170,8 +170,10 @@ def test_update_rejects_per_replica_args():
     var = s.mirror(torch.zeros(2))
     with pytest.raises(TypeError, match="every distributed leaf to be cr.Mirrored"):
         s.extended.update(var, lambda v, d: v.add_(d), args=(per_replica(2, (2,)),))
-    with pytest.raises(TypeError, match="fn must be callable"):
+    with pytest.raises(TypeError, match=r"fn must be callable as fn\(var, \*args, \*\*kwargs\); got 3"):
         s.extended.update(var, 3)
+    with pytest.raises(TypeError, match="group must be True or False; got 1"):
+        s.extended.update(var, lambda v: v, group=1)
 
 
 def test_extended_apis_need_cross_replica_context():

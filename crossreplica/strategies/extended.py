@@ -35,7 +35,6 @@ from ..values import (
     PerReplica,
     regroup,
     select_replica,
-    select_replica_mirrored,
 )
 from ..variables import Variable
 from .buffers import MirroredBuffers
@@ -44,6 +43,7 @@ from .micro_batched import MicroBatchedRun
 from .replica_threads import ReplicaThreads, raise_first_failure
 from .steps import MultiStepContext, run_steps_on_iterator
 from .tf_compat import TFCompatExtended, broadcast_to
+from .updates import check_update, update_each
 
 if TYPE_CHECKING:
     from .base import Strategy
@@ -406,32 +406,14 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
         they differ); otherwise a tuple with one result per copy.
 
         Raises:
-            TypeError: ``fn`` is not callable, or an argument is a PerReplica.
+            TypeError: ``fn`` is not callable, bad ``args``/``kwargs``/``group``, or an
+                argument is a PerReplica.
         """
         self._require_cross_replica("update")
-        if not callable(fn):
-            raise TypeError(f"fn must be callable as fn(var, *args, **kwargs); got {summarize(fn)}")
-        if isinstance(args, (str, bytes)) or not isinstance(args, (tuple, list)):
-            raise TypeError(f"args must be a tuple of positional arguments; got {summarize(args)}")
-        if kwargs is not None and not isinstance(kwargs, dict):
-            raise TypeError(f"kwargs must be a dict or None; got {summarize(kwargs)}")
-        kwargs = kwargs or {}
+        check_update(fn, args, kwargs, group, "fn(var, *args, **kwargs)")
         copies = var.values if isinstance(var, (DistributedValues, Variable)) else (var,)
-        results = []
-        with self._container.scope(), torch.no_grad():
-            for i, v in enumerate(copies):
-                a = select_replica_mirrored(i, tuple(args))
-                kw = select_replica_mirrored(i, kwargs)
-                device = getattr(v, "device", None)
-                with context.update_context(self._container, i):
-                    if device is not None and device.type == "cuda":
-                        with torch.cuda.device(device):
-                            results.append(fn(v, *a, **kw))
-                    else:
-                        results.append(fn(v, *a, **kw))
-        if not group:
-            return tuple(results)
-        return regroup(results, Mirrored)
+        return update_each(self._container, [getattr(v, "device", None) for v in copies], fn, args, kwargs, group,
+                           copies=copies)
 
     # ------------------------------------------------------------ multi-step loops
 

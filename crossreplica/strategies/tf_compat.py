@@ -34,9 +34,9 @@ from .. import context
 from ..cross_device_ops import get_devices_from
 from ..devices import canonical_device
 from ..errors import ReplicaContextError, summarize
-from ..values import DistributedValues, Mirrored, regroup, select_replica_mirrored
-from ..context import update_context
+from ..values import DistributedValues, Mirrored
 from ..variables import Variable
+from .updates import check_update, update_each
 
 if TYPE_CHECKING:
     from ..cross_device_ops import CrossDeviceOps
@@ -141,14 +141,7 @@ class TFCompatExtended:
             raise ReplicaContextError(
                 "strategy.extended.update_non_slot must be called in cross-replica context (outside "
                 "strategy.run, or in a merge_call's merge_fn)")
-        if not callable(fn):
-            raise TypeError(f"fn must be callable as fn(*args, **kwargs); got {summarize(fn)}")
-        if isinstance(args, (str, bytes)) or not isinstance(args, (tuple, list)):
-            raise TypeError(f"args must be a tuple of positional arguments; got {summarize(args)}")
-        if kwargs is not None and not isinstance(kwargs, dict):
-            raise TypeError(f"kwargs must be a dict or None; got {summarize(kwargs)}")
-        if not isinstance(group, bool):
-            raise TypeError(f"group must be True or False; got {summarize(group)}")
+        check_update(fn, args, kwargs, group, "fn(*args, **kwargs)")
         devices = _colocation(colocate_with)
         for name, value in (("args", args), ("kwargs", kwargs)):
             for leaf in _distributed_leaves(value):
@@ -156,21 +149,7 @@ class TFCompatExtended:
                     raise ValueError(
                         f"{name} holds a {type(leaf).__name__} of {len(leaf.values)} values, but colocate_with "
                         f"names {len(devices)} devices; give one value per device")
-        strategy = _container(self)
-        results = []
-        with strategy.scope(), torch.no_grad():
-            for i, device in enumerate(devices):
-                a = select_replica_mirrored(i, tuple(args))
-                kw = select_replica_mirrored(i, kwargs or {})
-                with update_context(strategy, i), torch.device(device):
-                    if device.type == "cuda":
-                        with torch.cuda.device(device):
-                            results.append(fn(*a, **kw))
-                    else:
-                        results.append(fn(*a, **kw))
-        if not group:
-            return tuple(results)
-        return regroup(results, Mirrored)
+        return update_each(_container(self), devices, fn, args, kwargs, group, default_device=True)
 
 
 def _container(ext: Any) -> Any:
