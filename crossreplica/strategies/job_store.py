@@ -32,7 +32,7 @@ import torch.distributed as dist
 from .. import settings
 from ..logs import ConfigurationWarning
 
-__all__ = ["await_workers", "form_job", "job_namespace", "join_job", "round_token"]
+__all__ = ["await_workers", "form_job", "job_namespace", "join_job", "poll", "round_token"]
 
 T = TypeVar("T")
 
@@ -85,7 +85,7 @@ def join_job(raw: Any, timeout: float) -> Any:
     (``CROSSREPLICA_JOIN``): the prefix its rank 0 published under the job's namespace."""
     namespace = job_namespace()
     key = f"crossreplica/{namespace}/start"
-    token = _poll(lambda: raw.get(key).decode() if raw.check([key]) else None, time.monotonic() + timeout,
+    token = poll(lambda: raw.get(key).decode() if raw.check([key]) else None, time.monotonic() + timeout,
                   lambda: RuntimeError(
                       f"this worker was asked to join a running job (CROSSREPLICA_JOIN) but no job with its "
                       f"secret has started in the store at {_store_address()} within {timeout:g}s; check "
@@ -116,7 +116,7 @@ def round_token(raw: Any, rank: int, deadline: float, timeout: float) -> str:
                 return token
         return None
 
-    return _poll(answered, deadline, lambda: RuntimeError(
+    return poll(answered, deadline, lambda: RuntimeError(
         f"worker rank 0 did not answer worker rank {rank} in the store at {_store_address()} within "
         f"{timeout:g}s; start rank 0 too, and check that every worker reaches that address"))
 
@@ -125,7 +125,7 @@ def _store_address() -> str:
     return f"MASTER_ADDR={os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
 
 
-def _poll(ready: Callable[[], T | None], deadline: float, late: Callable[[], Exception]) -> T:
+def poll(ready: Callable[[], T | None], deadline: float, late: Callable[[], Exception]) -> T:
     """``ready()``'s first answer other than None, polled with a growing pause; ``late()``
     is raised once ``deadline`` has passed."""
     pause = 0.001
@@ -195,6 +195,6 @@ def await_workers(raw: Any, job: Any, token: str, world: int, deadline: float, t
                 f"CROSSREPLICA_JOB_SECRET (or, under torchrun without it, the same --rdzv-id)")
         return None
 
-    _poll(arrived, deadline, lambda: RuntimeError(
+    poll(arrived, deadline, lambda: RuntimeError(
         f"only {mine} of {world} workers reached the store at {_store_address()} within {timeout:g}s; "
         f"start every worker (WORLD_SIZE={world}) and check that each can reach that address"))

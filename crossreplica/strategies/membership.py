@@ -29,6 +29,7 @@ from typing import Any
 from ..engines.torch_dist.store_probe import StoreProbe
 from ..engines.torch_dist import WorkerFailedError
 from ..errors import CrossReplicaError
+from .job_store import poll
 
 __all__ = ["FencedOutError", "Membership", "StoreCalls", "agree", "announce_growth", "await_invitation",
            "epoch_prefix", "found", "give_up", "growth", "joiners_waiting", "request_join"]
@@ -176,13 +177,15 @@ def request_join(store: Any, timeout: float) -> tuple[int, int]:
     founders' count plus the ticket)."""
     call = StoreCalls(store, -1)
     ticket = int(call("ask to join", lambda s: s.add(_JOINS, 1))) - 1
-    deadline = time.monotonic() + timeout
-    while not call("read the job's size", lambda s: s.check([_FOUNDERS])):
-        if time.monotonic() >= deadline:
-            raise RuntimeError(f"no fault-tolerant job (cr.FaultTolerance) runs in this store: none started within "
-                               f"{timeout:g}s; start the job's workers, or unset CROSSREPLICA_JOIN")
-        time.sleep(0.05)
-    return ticket, int(call("read the job's size", lambda s: s.get(_FOUNDERS))) + ticket
+
+    def founders() -> int | None:
+        if not call("read the job's size", lambda s: s.check([_FOUNDERS])):
+            return None
+        return int(call("read the job's size", lambda s: s.get(_FOUNDERS)))
+
+    return ticket, ticket + poll(founders, time.monotonic() + timeout, lambda: RuntimeError(
+        f"no fault-tolerant job (cr.FaultTolerance) runs in this store: none started within {timeout:g}s; start "
+        f"the job's workers, or unset CROSSREPLICA_JOIN"))
 
 
 def joiners_waiting(call: StoreCalls, seen: int) -> range:
@@ -217,14 +220,14 @@ def await_invitation(store: Any, identity: int, ticket: int, after_epoch: int,
     expected, and that epoch's members."""
     call = StoreCalls(store, identity)
     key = f"crossreplica/ft/join/{ticket}"
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def invitation() -> tuple[int, tuple[int, ...]] | None:
         if call("read its invitation", lambda s: s.check([key])):
             epoch, _, members = call("read its invitation", lambda s: s.get(key)).decode().partition(":")
             if int(epoch) > after_epoch:
                 return int(epoch), tuple(int(m) for m in members.split(","))
-        if time.monotonic() >= deadline:
-            raise RuntimeError(f"worker {identity} asked to join the running job, but no member admitted it within "
-                               f"{timeout:g}s (members admit joining workers as a step of cr.FaultTolerance.run "
-                               f"starts); is the job still training?")
-        time.sleep(0.02)
+        return None
+
+    return poll(invitation, time.monotonic() + timeout, lambda: RuntimeError(
+        f"worker {identity} asked to join the running job, but no member admitted it within {timeout:g}s (members "
+        f"admit joining workers as a step of cr.FaultTolerance.run starts); is the job still training?"))
