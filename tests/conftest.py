@@ -13,8 +13,13 @@ os.environ.setdefault("CROSSREPLICA_PARALLEL_BYTES", str(256 * 1024))
 # 3 members on (8 by default), so tests with 2 replicas take the other form.
 os.environ.setdefault("CROSSREPLICA_SHARED_ROWS_MEMBERS", "3")
 
-import pytest
-from harness import RUNNERS, STARTUP_SECONDS
+import sys
+
+# Helpers and subprocess scripts live in tests/support/ (import harness, nests, guides, ...).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
+
+import pytest  # noqa: E402
+from harness import RUNNERS, STARTUP_SECONDS  # noqa: E402
 
 import crossreplica.testing as crt
 

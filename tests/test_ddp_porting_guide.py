@@ -1,6 +1,6 @@
 """docs/ddp_porting.md runs: every crossreplica snippet of the DDP porting guide is executed.
 
-The convention is docs/porting.md's (tests/guides.py): each ```python block whose first line
+The convention is docs/porting.md's (tests/support/guides.py): each ```python block whose first line
 is not ``# DDP`` runs, in order, in one namespace per ``## `` section that starts with
 ``torch`` and ``cr``; ``<!-- setup ... -->`` comments hold code run without being shown. The
 snippets check their claims against plain torch computed in the snippet.

@@ -9,11 +9,11 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from harness import SUPPORT
 
 import crossreplica as cr
 from crossreplica.fault_tolerance import _OptimizerCopy
@@ -260,11 +260,11 @@ def test_without_fault_tolerance_a_lost_worker_still_fails_the_job(tmp_path):
 
 def _lose_at(tmp_path, name: str, mode: str, point: str, how: str, step: int,
              local_replicas: int = 1) -> dict[str, torch.Tensor]:
-    """``tests/fault_points.py`` on 3 workers, worker 1 lost at ``point`` of ``step`` (0: never)."""
+    """``tests/support/fault_points.py`` on 3 workers, worker 1 lost at ``point`` of ``step`` (0: never)."""
     out = tmp_path / f"{name}.pt"
     restarts = "1" if how == "rejoin" else "0"
     cmd = [PYTHON, "-m", "crossreplica.cli", "launch", "--workers", "3", "--grace-seconds", "3", "--max-restarts",
-           restarts, "--", PYTHON, str(Path(__file__).with_name("fault_points.py")), str(out), mode, point, how,
+           restarts, "--", PYTHON, os.path.join(SUPPORT, "fault_points.py"), str(out), mode, point, how,
            str(step)]
     # Losing worker 2 as the survivors regroup costs them a timeout while the group forms
     # and one while they agree again (no heartbeats to watch in between): a short one.

@@ -26,6 +26,8 @@ import crossreplica as cr
 from crossreplica.engines.base import Kind
 from crossreplica.testing import run_workers
 
+pytestmark = pytest.mark.fidelity
+
 N = 4  # replicas: 4 threads, or 2 workers x 2
 STEPS = 3
 

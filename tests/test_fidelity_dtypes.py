@@ -16,6 +16,8 @@ import torch
 
 import crossreplica as cr
 
+pytestmark = pytest.mark.fidelity
+
 N = 4
 UNSIGNED = {torch.uint16: 16, torch.uint32: 32, torch.uint64: 64}
 LOW = (torch.float16, torch.bfloat16)

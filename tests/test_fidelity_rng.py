@@ -13,6 +13,8 @@ from torch.utils.checkpoint import checkpoint
 import crossreplica as cr
 from crossreplica.testing import run_workers
 
+pytestmark = pytest.mark.fidelity
+
 SEED = 1234
 
 

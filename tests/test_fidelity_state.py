@@ -11,6 +11,8 @@ import crossreplica as cr
 from crossreplica import torch_state
 from crossreplica.testing import run_workers
 
+pytestmark = pytest.mark.fidelity
+
 
 def _observe(x):
     """What a replica sees and computes: the states, and a result that depends on them."""

@@ -8,7 +8,7 @@ import torch
 
 import crossreplica as cr
 
-pytestmark = pytest.mark.usefixtures("engine")
+pytestmark = [pytest.mark.usefixtures("engine"), pytest.mark.fidelity]
 
 N = 4
 CASES = ["packed", "overlap", "sharded"]

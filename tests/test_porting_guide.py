@@ -5,7 +5,7 @@ The guide's convention (stated at its top): each ```python block whose first lin
 and ``cr``; an HTML comment starting with ``setup`` holds code run at that point without
 being shown. The snippets assert what they claim (results computed in plain torch by the
 snippet itself); a snippet that raises fails its section here. The parser and runner are
-shared with docs/ddp_porting.md's test (tests/guides.py).
+shared with docs/ddp_porting.md's test (tests/support/guides.py).
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ import crossreplica as cr
 from crossreplica.errors import summarize
 from crossreplica.groups import canonical_groups
 
+pytestmark = pytest.mark.reliability
+
 
 @pytest.mark.parametrize("value", [float("inf"), float("nan"), 1e10, -1.0, 0])
 @pytest.mark.parametrize("make", [

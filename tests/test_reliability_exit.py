@@ -15,8 +15,9 @@ import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+from harness import REPO, SUPPORT  # noqa: E402
+
+pytestmark = pytest.mark.reliability
 CHILDREN = 40
 
 
@@ -24,7 +25,7 @@ CHILDREN = 40
 def test_many_processes_exit_cleanly_after_collectives():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "exit_stress.py"), str(CHILDREN), "10"],
+    proc = subprocess.Popen([sys.executable, os.path.join(SUPPORT, "exit_stress.py"), str(CHILDREN), "10"],
                             env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:

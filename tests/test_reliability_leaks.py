@@ -12,6 +12,8 @@ import torch
 
 import crossreplica as cr
 
+pytestmark = pytest.mark.reliability
+
 
 def _settle(predicate, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout

@@ -17,7 +17,7 @@ import torch
 
 import crossreplica as cr
 
-DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
 _PIECE = re.compile(r"```python\n(?P<code>.*?)```|<!-- setup\n(?P<setup>.*?)-->", re.S)
 
 

@@ -22,7 +22,7 @@ import time
 
 import pytest
 import torch
-from harness import REPO, subprocess_env
+from harness import REPO, SUPPORT, subprocess_env
 
 from crossreplica.testing.hosts import SimulatedHosts, available
 
@@ -204,7 +204,7 @@ def test_a_worker_killed_on_one_host_is_restarted_and_the_job_resumes_from_its_c
     agent counts a restart, host 0's a membership change (their attempt numbers differ), yet
     the restarted workers meet, resume from the chief's checkpoint (no shared directory: each
     host writes its own) and end with the parameters of the uninterrupted run."""
-    from test_multiworker_checkpoint import _reference
+    from elastic_train import reference
 
     total, kill_at = 6, 3
     out_dir = tempfile.mkdtemp(prefix="crossreplica-hosts-test-", dir="/var/tmp")
@@ -219,7 +219,7 @@ def test_a_worker_killed_on_one_host_is_restarted_and_the_job_resumes_from_its_c
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                        "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
                        "--max-restarts=1", "--monitor-interval=0.2",
-                       os.path.join(REPO, "tests", "elastic_train.py"), mine, str(total), str(kill_at)]
+                       os.path.join(SUPPORT, "elastic_train.py"), mine, str(total), str(kill_at)]
                 procs.append(hosts.start(h, cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, text=True))
             outs = _wait_all(procs, timeout=240)
@@ -230,7 +230,7 @@ def test_a_worker_killed_on_one_host_is_restarted_and_the_job_resumes_from_its_c
         done = [int(line.rsplit(" ", 1)[1]) for line in lines if "finished step" in line]
         assert done == list(range(total)), lines  # every step exactly once
         final = torch.load(os.path.join(out_dir, "host0", "final.pt"))
-        want = _reference(total, 2)
+        want = reference(total, 2)
         for k in want:
             torch.testing.assert_close(final[k], want[k], msg=k)
     finally:

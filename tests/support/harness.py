@@ -21,7 +21,9 @@ from typing import Any
 
 import crossreplica.testing as crt
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the helpers' folder (subprocess scripts among them) and the repository
+SUPPORT = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(SUPPORT))
 DEFAULT_TIMEOUT = crt.DEFAULT_TEST_TIMEOUT
 
 

@@ -19,8 +19,9 @@ import torch
 import crossreplica as cr
 from crossreplica.errors import CheckpointError
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+from harness import REPO  # noqa: E402
+
+pytestmark = pytest.mark.reliability
 
 Point = collections.namedtuple("Point", ["x", "y"])
 

@@ -10,13 +10,10 @@ import sys
 
 import pytest
 import torch
-from harness import REPO, subprocess_env
+import elastic_train
+from harness import REPO, SUPPORT, subprocess_env
 
 import crossreplica as cr
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import elastic_train  # noqa: E402  (found on the path set just above)
 
 
 def test_save_load_in_process_is_atomic_and_unwraps_mirrored(tmp_path):
@@ -46,27 +43,11 @@ def test_save_load_in_process_is_atomic_and_unwraps_mirrored(tmp_path):
         cr.load(tmp_path / "missing.pt")
 
 
-def _reference(total: int, replicas: int) -> dict:
-    """The uninterrupted run, in plain torch: mean of the replicas' gradients, then SGD."""
-    model, opt = elastic_train.make_model()
-    for step in range(total):
-        grads = []
-        for r in range(replicas):
-            model.zero_grad()
-            x, y = elastic_train.batch(step, r)
-            ((model(x) - y) ** 2).mean().backward()
-            grads.append([p.grad.clone() for p in model.parameters()])
-        for p, *gs in zip(model.parameters(), *grads):
-            p.grad = torch.stack(gs).sum(0) / replicas
-        opt.step()
-    return model.state_dict()
-
-
 @pytest.mark.multiprocess
 def test_killed_run_resumes_from_checkpoint_under_torchrun_restarts(tmp_path):
     total, kill_at = 6, 3
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "--max-restarts=1", "--monitor-interval=0.2", os.path.join(HERE, "elastic_train.py"),
+           "--max-restarts=1", "--monitor-interval=0.2", os.path.join(SUPPORT, "elastic_train.py"),
            str(tmp_path), str(total), str(kill_at)]
     proc = subprocess.Popen(cmd, env=subprocess_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -88,7 +69,7 @@ def test_killed_run_resumes_from_checkpoint_under_torchrun_restarts(tmp_path):
     done = [int(line.rsplit(" ", 1)[1]) for line in lines if "finished step" in line]
     assert done == list(range(total)), lines  # every step exactly once
     final = torch.load(tmp_path / "final.pt")
-    want = _reference(total, 2)
+    want = elastic_train.reference(total, 2)
     for k in want:
         torch.testing.assert_close(final[k], want[k], msg=k)
 

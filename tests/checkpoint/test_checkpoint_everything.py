@@ -4,9 +4,7 @@ with cr.load(into=...), resumed on the same and on other replica / worker counts
 
 from __future__ import annotations
 
-import os
 import random
-import sys
 
 import numpy as np
 import pytest
@@ -15,8 +13,7 @@ import torch
 import crossreplica as cr
 from crossreplica.errors import CheckpointError
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import checkpoint_training as job  # noqa: E402  (found on the path set just above)
+import checkpoint_training as job  # tests/support/
 
 TOTAL, STOP = 6, 3
 

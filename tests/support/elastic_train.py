@@ -26,6 +26,22 @@ def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
+def reference(total: int, replicas: int) -> dict:
+    """The uninterrupted run, in plain torch: mean of the replicas' gradients, then SGD."""
+    model, opt = make_model()
+    for step in range(total):
+        grads = []
+        for r in range(replicas):
+            model.zero_grad()
+            x, y = batch(step, r)
+            ((model(x) - y) ** 2).mean().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, *gs in zip(model.parameters(), *grads):
+            p.grad = torch.stack(gs).sum(0) / replicas
+        opt.step()
+    return model.state_dict()
+
+
 def main() -> None:
     out_dir, total, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
