@@ -13,7 +13,7 @@ from typing import Any
 
 from .errors import summarize
 
-__all__ = ["check_int", "check_number"]
+__all__ = ["check_call", "check_int", "check_number"]
 
 
 def _int_rule(low: int | None, high: int | None) -> str:
@@ -45,3 +45,14 @@ def check_number(value: Any, name: str, *, positive: bool = False, hint: str = "
         rule = "a positive number (finite)" if positive else "a finite number >= 0"
         raise ValueError(f"{name} must be {rule}{hint}; got {summarize(value)}")
     return float(value)
+
+
+def check_call(fn: Any, args: Any, kwargs: Any, call: str | None = None) -> None:
+    """Checks a function and the arguments it will be called with: ``fn`` callable, ``args``
+    a tuple or list, ``kwargs`` a dict or None; ``call`` shows how ``fn`` is called."""
+    if not callable(fn):
+        raise TypeError(f"fn must be callable{f' as {call}' if call else ''}; got {summarize(fn)}")
+    if isinstance(args, (str, bytes)) or not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple or list of positional arguments; got {summarize(args)}")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs must be a dict or None; got {summarize(kwargs)}")

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from .. import context, data, nest
+from ..arguments import check_call
 from ..errors import ReplicaContextError, summarize
 from ..logs import SharedModuleWarning
 from ..reduce_op import (WIRE_DTYPES, ReduceOp, check_dtype, from_wire, mean_scale, reduce_non_distributed_value,
@@ -66,12 +67,7 @@ class Strategy(LogicalDeviceMethods, TFCompatMethods):
         raises releases the others; the run then raises a ReplicaError that is
         also an instance of the original exception's type.
         """
-        if not callable(fn):
-            raise TypeError(f"fn must be callable; got {summarize(fn)}")
-        if isinstance(args, (str, bytes)) or not isinstance(args, (tuple, list)):
-            raise TypeError(f"args must be a tuple or list of positional arguments; got {summarize(args)}")
-        if kwargs is not None and not isinstance(kwargs, dict):
-            raise TypeError(f"kwargs must be a dict or None; got {summarize(kwargs)}")
+        check_call(fn, args, kwargs)
         if context.current_replica_context() is not None:
             raise ReplicaContextError(
                 "strategy.run was called inside a replica function; call it from the main program "

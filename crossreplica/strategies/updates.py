@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..arguments import check_call
 from ..context import update_context
 from ..errors import summarize
 from ..values import Mirrored, regroup, select_replica_mirrored
@@ -22,12 +23,7 @@ __all__ = ["check_update", "update_each"]
 
 def check_update(fn: Any, args: Any, kwargs: Any, group: Any, call: str) -> None:
     """Checks an update's arguments; ``call`` shows how ``fn`` is called."""
-    if not callable(fn):
-        raise TypeError(f"fn must be callable as {call}; got {summarize(fn)}")
-    if isinstance(args, (str, bytes)) or not isinstance(args, (tuple, list)):
-        raise TypeError(f"args must be a tuple of positional arguments; got {summarize(args)}")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise TypeError(f"kwargs must be a dict or None; got {summarize(kwargs)}")
+    check_call(fn, args, kwargs, call)
     if not isinstance(group, bool):
         raise TypeError(f"group must be True or False; got {summarize(group)}")
 
