@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from . import nest
 from . import torch_private as tp
+from .engines.torch_dist import WorkerFailedError
 from .errors import CollectiveTimeoutError, ReplicaAborted, summarize
 from .optim import CrossShardOptimizer
 from .reduce_op import ReduceOp
@@ -289,6 +290,9 @@ class FaultTolerance:
         ``call``: the interrupted work was a ``call`` between steps, not a step."""
         ext = self._ext
         started = time.monotonic()
+        if ext.engine.watchdog.probe.unreachable:  # the failed step found the store gone: no agreement
+            raise WorkerFailedError(f"worker {self.identity} is cut off from the job's store (it stopped answering "
+                                    f"during the failed work); it stops rather than go on alone")
         joining = [self._founders + t for t in self._growth[1]] if self._growth is not None else []
         membership = agree(ext.job_store, self.epoch, self.identity, self.completed, (*self.members, *joining),
                            ext.engine.watchdog.stopped_peers, ext.timeout)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +17,9 @@ from ..arguments import check_call
 from ..context import update_context
 from ..errors import summarize
 from ..values import Mirrored, regroup, select_replica_mirrored
+
+if TYPE_CHECKING:
+    from .base import Strategy
 
 __all__ = ["check_update", "update_each"]
 
@@ -28,7 +31,7 @@ def check_update(fn: Any, args: Any, kwargs: Any, group: Any, call: str) -> None
         raise TypeError(f"group must be True or False; got {summarize(group)}")
 
 
-def update_each(strategy: Any, devices: Sequence[torch.device | None], fn: Callable[..., Any], args: Sequence[Any],
+def update_each(strategy: Strategy, devices: Sequence[torch.device | None], fn: Callable[..., Any], args: Sequence[Any],
                 kwargs: dict | None, group: bool, copies: Sequence[Any] | None = None,
                 default_device: bool = False) -> Any:
     """``fn(*lead, *args_i, **kwargs_i)`` for each device ``i`` (``lead``: ``copies[i]``, or
