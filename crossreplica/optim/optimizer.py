@@ -222,19 +222,19 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         """Drops what this optimizer holds of the engine it last ran on: cached groups
         and packs, its owner, and the overlapped buckets' work and shared buffers. For a
         job that replaced its engine (``cr.FaultTolerance`` after a lost worker)."""
-        self._groups_cache = None
-        self._pack_cache = None
-        self._synchronized = False
-        self._owner = None
+        self._forget_caches()
         self._edits.forget()
         if self._overlapped is not None:
             self._overlapped.forget_engine()
 
-    def _reset_runtime_state(self) -> None:
+    def _forget_caches(self) -> None:
         self._groups_cache = None
         self._pack_cache = None
         self._synchronized = False
         self._owner = None
+
+    def _reset_runtime_state(self) -> None:
+        self._forget_caches()
         for stepped in (self, self._optimizer, self._sharded and self._sharded.inner):
             if stepped:  # the plain-optimizer guard leaves them alone: this wrapper reduces
                 exempt(stepped)

@@ -224,23 +224,22 @@ class OverlappedReduction:
         for bucket in self._buckets:
             if bucket.pending is not None:
                 bucket.pending.wait()
-                bucket.pending = None
-            bucket.ready = 0
-            bucket.unusable = False
-        self._next = 0
-        self._queued = False
-        self.reduced.clear()
+        self._forget_rounds()
 
     def forget_engine(self) -> None:
         """Drops what the buckets hold of the engine they last ran on (a fault-tolerant job
         regrouped after a loss): its unfinished work, unwaited, and its shared buffers."""
         for bucket in self._buckets:
-            bucket.pending = None
-            bucket.ready = 0
-            bucket.unusable = False
             if bucket.shared:
                 bucket.flat = torch.empty_like(bucket.flat)
             bucket.shared = None
+        self._forget_rounds()
+
+    def _forget_rounds(self) -> None:
+        for bucket in self._buckets:
+            bucket.pending = None
+            bucket.ready = 0
+            bucket.unusable = False
         self._next = 0
         self._queued = False
         self.reduced.clear()

@@ -208,9 +208,10 @@ def growth(call: StoreCalls, epoch: int) -> tuple[int, range] | None:
     """Epoch ``epoch``'s decision to admit joining workers: the step as which they join
     and their tickets; None when there is none."""
     key = f"{epoch_prefix(epoch)}/grow"
-    if not call("read who joins", lambda s: s.check([key])):
+    text = call("read who joins", lambda s: s.get(key) if s.check([key]) else None)  # one hop: every step
+    if text is None:
         return None
-    step, start, stop = (int(v) for v in call("read who joins", lambda s: s.get(key)).decode().split(":"))
+    step, start, stop = (int(v) for v in text.decode().split(":"))
     return step, range(start, stop)
 
 
