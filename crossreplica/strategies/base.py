@@ -28,14 +28,13 @@ from ..values import DistributedValues, Mirrored, regroup, select_replica
 from ..variables import Variable
 from .buffers import check_policy
 from .extended import StrategyExtended
-from .logical_devices import LogicalDeviceMethods
+from . import logical_devices
 from .steps import run_steps
-from .tf_compat import TFCompatMethods, check_gather_shapes
 
 __all__ = ["Strategy", "StrategyExtended"]
 
 
-class Strategy(LogicalDeviceMethods, TFCompatMethods):
+class Strategy:
     """Base of every distribution strategy."""
 
     extended: StrategyExtended
@@ -231,7 +230,7 @@ class Strategy(LogicalDeviceMethods, TFCompatMethods):
             if not isinstance(v, DistributedValues):
                 tensors = tensors * self.num_replicas_in_sync
                 return torch.cat(tensors, axis)
-            check_gather_shapes(self.extended, tensors, axis)
+            _check_gather_shapes(self.extended, tensors, axis)
             return self.extended.gather_values(tensors, axis)
 
         return nest.map_structure(one, value)
@@ -308,6 +307,52 @@ class Strategy(LogicalDeviceMethods, TFCompatMethods):
         own ``run`` would (one random base per step), so dropout trains the same."""
         return run_steps(self, fn, iterator, steps)
 
+    # ------------------------------------------------------------ logical devices
+
+    def experimental_assign_to_logical_device(self, tensor: torch.Tensor, logical_device_id: int) -> torch.Tensor:
+        """``tensor`` on logical device ``logical_device_id`` of the current replica
+        (differentiable; no copy when it is there already)."""
+        return logical_devices.assign(tensor, self.extended.logical_device(logical_device_id),
+                                      "experimental_assign_to_logical_device")
+
+    def experimental_replicate_to_logical_devices(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One copy of ``tensor`` per logical device of the current replica, in order."""
+        return logical_devices.replicate(tensor, self.extended.replica_logical_devices())
+
+    def experimental_split_to_logical_devices(self, tensor: torch.Tensor,
+                                              partition_dimensions: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        """The tiles of ``tensor``, tile ``j`` on logical device ``j`` of the current replica.
+
+        ``partition_dimensions`` holds one split count per dimension of ``tensor``; their
+        product must be ``logical_devices_per_replica`` and each must divide its dimension
+        (as in TF). Tiles come in row-major order of the grid; ``join_logical_tiles``
+        reassembles them.
+
+        Raises:
+            TypeError: ``tensor`` is not a tensor, or ``partition_dimensions`` is not a list of ints.
+            ValueError: the counts do not match the tensor's rank, are below 1, do not divide
+                their dimension, or multiply to something other than the logical device count.
+            ReplicaContextError: called outside a replica function.
+        """
+        return logical_devices.split(tensor, partition_dimensions, self.extended.replica_logical_devices())
+
+    # ------------------------------------------------------------ TF's other names
+
+    def experimental_run_v2(self, fn: Callable[..., Any], args: Sequence[Any] = (),
+                            kwargs: dict | None = None) -> Any:
+        """``run`` under its TF 2.0 / 2.1 name (TF's ``experimental_run_v2``)."""
+        return self.run(fn, args, kwargs)
+
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        """``distribute_dataset`` under TF's name: each global batch split along dim 0, one
+        part per replica. ``options`` (TF's ``tf.distribute.InputOptions``) has no
+        counterpart here: only None is accepted."""
+        if options is not None:
+            raise ValueError(
+                f"options has no crossreplica counterpart (TF's tf.distribute.InputOptions); pass None, "
+                f"got {summarize(options)}")
+        return self.distribute_dataset(dataset)
+
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync}, "
                 f"devices={[str(d) for d in self.extended.worker_devices]})")
@@ -323,3 +368,31 @@ def _to_device(obj: Any, device: torch.device) -> Any:
             return moved.requires_grad_(x.requires_grad) if x.is_leaf else moved
         return x
     return nest.map_structure(move, obj)
+
+
+def _check_gather_shapes(ext: StrategyExtended, tensors: Sequence[torch.Tensor], axis: int) -> None:
+    """Raises ValueError, on every worker alike, when the replicas' values (``tensors``: the
+    local ones) differ in rank or in a dimension other than ``axis``; across workers the
+    shapes travel first (two small gathers)."""
+    local = [tuple(t.shape) for t in tensors]
+    if ext.num_workers > 1:
+        ranks = ext.gather_values([torch.tensor([len(s)], dtype=torch.int64) for s in local], 0).tolist()
+        if len(set(ranks)) == 1:
+            rows = ext.gather_values([torch.tensor([s], dtype=torch.int64) for s in local], 0).tolist()
+            shapes = [tuple(r) for r in rows]
+        else:
+            shapes = [(None,) * r for r in ranks]
+    else:
+        shapes = local
+    dims = {len(s) for s in shapes}
+    keep = None if len(dims) > 1 else [d for d in range(dims.pop()) if d != axis % max(len(shapes[0]), 1)]
+    if keep is not None and len({tuple(s[d] for d in keep) for s in shapes}) == 1:
+        return
+    by_shape: dict[tuple, list[int]] = {}
+    for r, s in enumerate(shapes):
+        by_shape.setdefault(s, []).append(r)
+    described = "; ".join(
+        (f"rank {len(s)}" if None in s else str(list(s))) + f" on replicas {rs}" for s, rs in by_shape.items())
+    raise ValueError(
+        f"strategy.gather: every replica's value must have the same shape except along axis={axis}; got "
+        f"{described}")

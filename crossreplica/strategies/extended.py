@@ -30,20 +30,17 @@ from ..micro_batches import LayoutInvariant, PendingGradients, replica_share
 from ..random_streams import draw_base, replica_stream, suspended
 from ..reduce_op import ReduceOp, from_wire, mean_scale, to_wire
 from ..values import (
-    DistributedValues,
     Mirrored,
     PerReplica,
     regroup,
     select_replica,
 )
-from ..variables import Variable
 from .buffers import MirroredBuffers
-from .logical_devices import LogicalDeviceExtended
+from . import logical_devices, updates
+from .logical_devices import LogicalDevices
 from .micro_batched import MicroBatchedRun
 from .replica_threads import ReplicaThreads, raise_first_failure
 from .steps import MultiStepContext, run_steps_on_iterator
-from .tf_compat import TFCompatExtended, broadcast_to
-from .updates import check_update, update_each
 
 if TYPE_CHECKING:
     from .base import Strategy
@@ -51,7 +48,7 @@ if TYPE_CHECKING:
 __all__ = ["StrategyExtended"]
 
 
-class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
+class StrategyExtended:
     """The strategy's machinery: devices, engine, replica threads, merge_call."""
 
     #: Whether each replica draws from its own random stream (seeded from the caller's
@@ -65,7 +62,7 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
         # object is dropped, as in TF. The cycle (strategy <-> extended) is freed by the garbage
         # collector, whose finalizer below then stops the replica threads.
         self._container_strong = container
-        self._worker_devices = tuple(devices)
+        self._logical = LogicalDevices([(d,) for d in devices])
         self.engine = engine
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
             raise ValueError(
@@ -77,7 +74,7 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
         #: the options a reduction uses when it is given none (MultiWorkerMirroredStrategy's
         #: ``communication_options``)
         self.communication_options: CommunicationOptions | None = None
-        n = len(self._worker_devices)
+        n = len(devices)
         self._running = False
         self._run_token: object = None
         # the modules strategy.mirror made, whose buffers each run keeps in agreement
@@ -131,6 +128,107 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
         """True on the worker that holds replica 0."""
         return self.worker_rank == 0
 
+    # ------------------------------------------------------------ TF's other names for the worker facts
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """Whether this worker writes checkpoints of its own (TF: the chief). ``cr.save``
+        is called on every worker and writes on the chief by itself."""
+        return self.is_chief
+
+    @property
+    def should_save_summary(self) -> bool:
+        """Whether this worker writes summaries (TF: the chief)."""
+        return self.is_chief
+
+    @property
+    def experimental_should_init(self) -> bool:
+        """Whether to run initializers here: always (every worker builds its state)."""
+        return True
+
+    @property
+    def num_hosts(self) -> int:
+        """Input hosts (TPUStrategy's): processes that feed their local replicas, one per worker."""
+        return self.num_workers
+
+    @property
+    def num_replicas_per_host(self) -> int:
+        """Replicas each host (worker process) feeds: its local replicas."""
+        return len(self.worker_devices)
+
+    # ------------------------------------------------------------ devices
+
+    @property
+    def worker_devices(self) -> tuple[torch.device, ...]:
+        """The local replicas' devices, in local order: logical device 0 of each, or, inside
+        ``experimental_logical_device(j)`` (in this thread), logical device ``j`` of each (as TF)."""
+        return self._logical.column(logical_devices.current_id(self))
+
+    @property
+    def logical_devices(self) -> tuple[tuple[torch.device, ...], ...]:
+        """Per local replica, its logical devices in order (logical device 0 is its own device)."""
+        return self._logical.groups
+
+    @property
+    def logical_devices_per_replica(self) -> int:
+        """How many logical devices each replica owns (1 unless the strategy was given more)."""
+        return self._logical.per_replica
+
+    def set_logical_devices(self, groups: Sequence[Sequence[torch.device]]) -> None:
+        """Records the devices of each local replica (first = the replica's device)."""
+        logical = LogicalDevices(groups)
+        if logical.column(0) != self._logical.column(0):
+            raise ValueError(
+                f"logical device groups {summarize(logical.groups)} must hold one group per local replica, "
+                f"starting with that replica's device {summarize(self._logical.column(0))}")
+        self._logical = logical
+
+    def replica_logical_devices(self, api: str = "logical devices") -> tuple[torch.device, ...]:
+        """The logical devices of the replica running in this thread.
+
+        Raises:
+            ReplicaContextError: outside a replica function of this strategy.
+        """
+        rctx = context.require_replica_context(api)
+        if rctx.strategy.extended is not self:
+            raise ReplicaContextError("the replica function running belongs to another strategy; use the "
+                                      "logical devices of the strategy that runs it")
+        return self._logical.groups[rctx.local_index]
+
+    def logical_device(self, logical_device_id: int) -> torch.device:
+        """The current replica's logical device ``logical_device_id``."""
+        j = self._logical.check_id(logical_device_id)
+        return self.replica_logical_devices()[j]
+
+    @property
+    def current_logical_device_id(self) -> int:
+        """The logical device made current by ``experimental_logical_device`` in this thread (0 outside)."""
+        return logical_devices.current_id()
+
+    def experimental_logical_device(self, logical_device_id: int) -> contextlib.AbstractContextManager[torch.device]:
+        """Inside a replica function: makes logical device ``logical_device_id`` of this
+        replica the default device (for new tensors, and the current CUDA device) in the block.
+
+        Raises:
+            ValueError: ``logical_device_id`` is not in ``[0, logical_devices_per_replica)``.
+            ReplicaContextError: called outside a replica function.
+        """
+        device = self.logical_device(logical_device_id)
+        return logical_devices.made_current(self, int(logical_device_id), device)
+
+    @property
+    def parameter_devices(self) -> tuple[torch.device, ...]:
+        """The devices variables are placed on: every local replica's device."""
+        return tuple(self.worker_devices)
+
+    def non_slot_devices(self, var_list: Any) -> tuple[torch.device, ...]:
+        """Where non-slot variables (a step counter, Adam's beta powers) live: mirrored on
+        every local replica's device, as in TF's MirroredStrategy; pass the result to
+        ``update_non_slot``. ``var_list`` is accepted for TF's signature."""
+        if var_list is not None and (isinstance(var_list, (str, bytes)) or not isinstance(var_list, Sequence)):
+            raise TypeError(f"var_list must be a list of variables (or None); got {summarize(var_list)}")
+        return tuple(self.worker_devices)
+
     @property
     def always_wrap(self) -> bool:
         """Whether run/merge_call wrap every per-replica leaf, even with one local replica or
@@ -182,7 +280,7 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
     def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict,
                                threads: int) -> list[Any]:
         strategy, engine = self._container, self.engine
-        ids, devices = self.local_replica_ids, self._worker_devices
+        ids, devices = self.local_replica_ids, self._logical.column(0)
         # A replica abandoned by an earlier failed run may return later; it must
         # not report to this run's engine (it would look like a replica that
         # returned early, or abort this run).
@@ -393,7 +491,7 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
         per destination value); a Python number is returned as it is, as TF does."""
         self._require_cross_replica("broadcast_to")
         with self._container.scope():
-            return broadcast_to(self._cross_device_ops, tensor, destinations)
+            return updates.broadcast_to(self._cross_device_ops, tensor, destinations)
 
     def update(self, var: Any, fn: Callable[..., Any], args: Sequence[Any] = (),
                kwargs: dict | None = None, group: bool = True) -> Any:
@@ -410,10 +508,28 @@ class StrategyExtended(LogicalDeviceExtended, TFCompatExtended):
                 argument is a PerReplica.
         """
         self._require_cross_replica("update")
-        check_update(fn, args, kwargs, group, "fn(var, *args, **kwargs)")
-        copies = var.values if isinstance(var, (DistributedValues, Variable)) else (var,)
-        return update_each(self._container, [getattr(v, "device", None) for v in copies], fn, args, kwargs, group,
-                           copies=copies)
+        return updates.update(self._container, var, fn, args, kwargs, group)
+
+    def update_non_slot(self, colocate_with: Any, fn: Callable[..., Any], args: Sequence[Any] = (),
+                        kwargs: dict | None = None, group: bool = True) -> Any:
+        """Runs ``fn(*args, **kwargs)`` once per device of ``colocate_with`` (from
+        ``non_slot_devices``), in cross-replica context, under ``torch.no_grad()``, with
+        that device as the default device and in an update context: a ``cr.Variable``
+        read or updated in ``fn`` is its copy ``i`` for the ``i``-th device (TF's
+        UpdateContext), so ``v.assign_add(1)`` adds 1 to every copy once. Mirrored
+        ``args``/``kwargs`` give device ``i`` their ``i``-th value.
+
+        Returns, with ``group``, the results regrouped (Mirrored where they differ; one
+        device: the result itself); otherwise a tuple with one result per device.
+
+        Raises:
+            ReplicaContextError: called inside a replica function.
+            TypeError: ``fn`` is not callable, bad ``args``/``kwargs``, or a PerReplica argument.
+            ValueError: ``colocate_with`` names no devices, or a Mirrored argument has
+                another number of values.
+        """
+        self._require_cross_replica("update_non_slot")
+        return updates.update_non_slot(self._container, colocate_with, fn, args, kwargs, group)
 
     # ------------------------------------------------------------ multi-step loops
 

@@ -32,37 +32,72 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from collections.abc import Iterator, Sequence
 
 import torch
 
-from .. import context
 from ..arguments import check_int
-from ..errors import ReplicaContextError, summarize
+from ..errors import summarize
 
-if TYPE_CHECKING:
-    from .extended import StrategyExtended
-
-__all__ = ["LogicalDeviceExtended", "LogicalDeviceMethods", "group_devices", "join_logical_tiles"]
+__all__ = ["LogicalDevices", "assign", "join_logical_tiles", "replicate", "split"]
 
 
-def group_devices(devices: Sequence[torch.device], k: int) -> tuple[tuple[torch.device, ...], ...]:
-    """``devices`` cut into consecutive groups of ``k``: one group per replica.
+class LogicalDevices:
+    """Which devices each local replica owns: one group per local replica, the same size
+    for every replica, the replica's own device first. Immutable."""
 
-    Raises:
-        ValueError: ``len(devices)`` is not a multiple of ``k``.
-    """
-    if len(devices) % k:
-        raise ValueError(
-            f"devices holds {len(devices)} devices, which is not a multiple of "
-            f"logical_devices_per_replica={k}; give each replica k consecutive devices")
-    return tuple(tuple(devices[i:i + k]) for i in range(0, len(devices), k))
+    __slots__ = ("groups",)
+
+    def __init__(self, groups: Sequence[Sequence[torch.device]]):
+        grouped = tuple(tuple(g) for g in groups)
+        if not grouped or any(not g for g in grouped):
+            raise ValueError(
+                f"logical device groups must be non-empty, one per local replica; got {summarize(grouped)}")
+        if len({len(g) for g in grouped}) != 1:
+            raise ValueError(f"every replica must own the same number of logical devices; got {summarize(grouped)}")
+        self.groups: tuple[tuple[torch.device, ...], ...] = grouped
+
+    @classmethod
+    def consecutive(cls, devices: Sequence[torch.device], k: int) -> LogicalDevices:
+        """``devices`` cut into consecutive groups of ``k``: one group per replica.
+
+        Raises:
+            ValueError: ``len(devices)`` is not a multiple of ``k``.
+        """
+        if len(devices) % k:
+            raise ValueError(
+                f"devices holds {len(devices)} devices, which is not a multiple of "
+                f"logical_devices_per_replica={k}; give each replica k consecutive devices")
+        return cls([devices[i:i + k] for i in range(0, len(devices), k)])
+
+    @property
+    def per_replica(self) -> int:
+        """How many logical devices each replica owns."""
+        return len(self.groups[0])
+
+    def column(self, j: int) -> tuple[torch.device, ...]:
+        """Logical device ``j`` of every local replica, in local order."""
+        return tuple(g[j] for g in self.groups)
+
+    def check_id(self, logical_device_id: Any) -> int:
+        """``logical_device_id`` as an int in ``[0, per_replica)``, or ValueError naming it."""
+        k = self.per_replica
+        return check_int(logical_device_id, "logical_device_id", low=0, high=k,
+                         hint=f" (this strategy has logical_devices_per_replica={k})")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LogicalDevices) and other.groups == self.groups
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"LogicalDevices({list(map(list, self.groups))})"
 
 
 class _Current(threading.local):
     """The logical device each thread has made current (a stack; empty means 0), and the
-    strategy machinery (``extended``) whose logical device it is."""
+    strategy machinery (``owner``) whose logical device it is."""
 
     def __init__(self) -> None:
         self.ids: list[int] = []
@@ -72,122 +107,54 @@ class _Current(threading.local):
 _current = _Current()
 
 
-class LogicalDeviceExtended:
-    """The ``strategy.extended`` side: which devices each local replica owns."""
-
-    _worker_devices: tuple[torch.device, ...]
-    _logical_groups: tuple[tuple[torch.device, ...], ...] | None = None
-
-    @property
-    def worker_devices(self) -> tuple[torch.device, ...]:
-        """The local replicas' devices, in local order: logical device 0 of each, or, inside
-        ``experimental_logical_device(j)`` (in this thread), logical device ``j`` of each (as TF)."""
-        j = _current.ids[-1] if _current.ids else 0
-        if j == 0 or self._logical_groups is None or _current.owners[-1] is not self:
-            return self._worker_devices
-        return tuple(g[j] for g in self._logical_groups)
-
-    def set_logical_devices(self, groups: Sequence[Sequence[torch.device]]) -> None:
-        """Records the devices of each local replica (first = the replica's device)."""
-        grouped = tuple(tuple(g) for g in groups)
-        if len(grouped) != len(self._worker_devices) or any(
-                not g or g[0] != d for g, d in zip(grouped, self._worker_devices)):
-            raise ValueError(
-                f"logical device groups {summarize(grouped)} must hold one group per local replica, "
-                f"starting with that replica's device {summarize(self._worker_devices)}")
-        if len({len(g) for g in grouped}) != 1:
-            raise ValueError(f"every replica must own the same number of logical devices; got {summarize(grouped)}")
-        self._logical_groups = grouped
-
-    @property
-    def logical_devices_per_replica(self) -> int:
-        """How many logical devices each replica owns (1 unless the strategy was given more)."""
-        return 1 if self._logical_groups is None else len(self._logical_groups[0])
-
-    @property
-    def logical_devices(self) -> tuple[tuple[torch.device, ...], ...]:
-        """Per local replica, its logical devices in order (logical device 0 is its own device)."""
-        if self._logical_groups is None:
-            return tuple((d,) for d in self._worker_devices)
-        return self._logical_groups
-
-    def logical_device(self, logical_device_id: int) -> torch.device:
-        """The current replica's logical device ``logical_device_id``."""
-        k = self.logical_devices_per_replica
-        j = check_int(logical_device_id, "logical_device_id", low=0, high=k,
-                      hint=f" (this strategy has logical_devices_per_replica={k})")
-        rctx = context.require_replica_context("logical devices")
-        if rctx.strategy.extended is not self:
-            raise ReplicaContextError("the replica function running belongs to another strategy; use the "
-                                      "logical devices of the strategy that runs it")
-        return self.logical_devices[rctx.local_index][j]
-
-    @property
-    def current_logical_device_id(self) -> int:
-        """The logical device made current by ``experimental_logical_device`` in this thread (0 outside)."""
-        return _current.ids[-1] if _current.ids else 0
-
-    @contextlib.contextmanager
-    def experimental_logical_device(self, logical_device_id: int) -> Iterator[torch.device]:
-        """Inside a replica function: makes logical device ``logical_device_id`` of this
-        replica the default device (for new tensors, and the current CUDA device) in the block.
-
-        Raises:
-            ValueError: ``logical_device_id`` is not in ``[0, logical_devices_per_replica)``.
-            ReplicaContextError: called outside a replica function.
-        """
-        device = self.logical_device(logical_device_id)
-        _current.ids.append(int(logical_device_id))
-        _current.owners.append(self)
-        try:
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(torch.device(device))
-                if device.type == "cuda":
-                    stack.enter_context(torch.cuda.device(device))
-                yield device
-        finally:
-            _current.ids.pop()
-            _current.owners.pop()
+def current_id(owner: object | None = None) -> int:
+    """The logical device made current in this thread (0 outside any block); with ``owner``,
+    0 unless the innermost block is ``owner``'s."""
+    if not _current.ids or (owner is not None and _current.owners[-1] is not owner):
+        return 0
+    return _current.ids[-1]
 
 
-class LogicalDeviceMethods:
-    """The strategy side: placing tensors on a replica's logical devices."""
+@contextlib.contextmanager
+def made_current(owner: object, logical_device_id: int, device: torch.device) -> Iterator[torch.device]:
+    """``device`` (``owner``'s logical device ``logical_device_id``) as the default device
+    for new tensors, and the current CUDA device, in the block of this thread."""
+    _current.ids.append(logical_device_id)
+    _current.owners.append(owner)
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.device(device))
+            if device.type == "cuda":
+                stack.enter_context(torch.cuda.device(device))
+            yield device
+    finally:
+        _current.ids.pop()
+        _current.owners.pop()
 
-    extended: StrategyExtended
 
-    def experimental_assign_to_logical_device(self, tensor: torch.Tensor, logical_device_id: int) -> torch.Tensor:
-        """``tensor`` on logical device ``logical_device_id`` of the current replica
-        (differentiable; no copy when it is there already)."""
-        _check_tensor(tensor, "experimental_assign_to_logical_device")
-        return tensor.to(self.extended.logical_device(logical_device_id))
+def assign(tensor: torch.Tensor, device: torch.device, api: str) -> torch.Tensor:
+    """``tensor`` on ``device`` (differentiable; no copy when it is there already)."""
+    _check_tensor(tensor, api)
+    return tensor.to(device)
 
-    def experimental_replicate_to_logical_devices(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """One copy of ``tensor`` per logical device of the current replica, in order."""
-        _check_tensor(tensor, "experimental_replicate_to_logical_devices")
-        return tuple(tensor.to(self.extended.logical_device(j))
-                     for j in range(self.extended.logical_devices_per_replica))
 
-    def experimental_split_to_logical_devices(self, tensor: torch.Tensor,
-                                              partition_dimensions: Sequence[int]) -> tuple[torch.Tensor, ...]:
-        """The tiles of ``tensor``, tile ``j`` on logical device ``j`` of the current replica.
+def replicate(tensor: torch.Tensor, group: Sequence[torch.device]) -> tuple[torch.Tensor, ...]:
+    """One copy of ``tensor`` per device of ``group``, in order."""
+    _check_tensor(tensor, "experimental_replicate_to_logical_devices")
+    return tuple(tensor.to(d) for d in group)
 
-        ``partition_dimensions`` holds one split count per dimension of ``tensor``; their
-        product must be ``logical_devices_per_replica`` and each must divide its dimension
-        (as in TF). Tiles come in row-major order of the grid; :func:`join_logical_tiles`
-        reassembles them.
 
-        Raises:
-            TypeError: ``tensor`` is not a tensor, or ``partition_dimensions`` is not a list of ints.
-            ValueError: the counts do not match the tensor's rank, are below 1, do not divide
-                their dimension, or multiply to something other than the logical device count.
-        """
-        _check_tensor(tensor, "experimental_split_to_logical_devices")
-        dims = _check_partition(tensor, partition_dimensions, self.extended.logical_devices_per_replica)
-        tiles = [tensor]
-        for axis, parts in enumerate(dims):
-            if parts > 1:
-                tiles = [piece for t in tiles for piece in torch.chunk(t, parts, dim=axis)]
-        return tuple(t.to(self.extended.logical_device(j)) for j, t in enumerate(tiles))
+def split(tensor: torch.Tensor, partition_dimensions: Sequence[int],
+          group: Sequence[torch.device]) -> tuple[torch.Tensor, ...]:
+    """The tiles of ``tensor`` in row-major order of the grid ``partition_dimensions``, tile
+    ``j`` on ``group[j]`` (see ``Strategy.experimental_split_to_logical_devices``)."""
+    _check_tensor(tensor, "experimental_split_to_logical_devices")
+    dims = _check_partition(tensor, partition_dimensions, len(group))
+    tiles = [tensor]
+    for axis, parts in enumerate(dims):
+        if parts > 1:
+            tiles = [piece for t in tiles for piece in torch.chunk(t, parts, dim=axis)]
+    return tuple(t.to(d) for t, d in zip(tiles, group))
 
 
 def join_logical_tiles(tiles: Sequence[torch.Tensor], partition_dimensions: Sequence[int],

@@ -16,7 +16,7 @@ from ..engines.threads import ThreadsEngine
 from ..errors import summarize
 from ..timeouts import canonical_timeout
 from .base import Strategy, StrategyExtended
-from .logical_devices import group_devices
+from .logical_devices import LogicalDevices
 
 __all__ = ["MirroredStrategy"]
 
@@ -67,15 +67,15 @@ class MirroredStrategy(Strategy):
             n = num_replicas if num_replicas is not None else max(gpus // k, 1)
             devs = ([torch.device("cuda", i % gpus) for i in range(n * k)] if gpus
                     else [torch.device("cpu")] * (n * k))
-        groups = group_devices(devs, k)
-        devs = [g[0] for g in groups]
+        logical = LogicalDevices.consecutive(devs, k)
+        devs = list(logical.column(0))
         timeout = (settings.timeout() if timeout_seconds is None
                    else canonical_timeout(timeout_seconds, "timeout_seconds"))
         self.extended = StrategyExtended(self, devs, ThreadsEngine(devs, timeout), cross_device_ops)
-        self.extended.set_logical_devices(groups)
+        self.extended.set_logical_devices(logical.groups)
         self.extended.layout_invariant = check_layout(layout_invariant, len(devs))
         _log.info("MirroredStrategy: %d replicas (threads engine, one thread per replica) on %s, timeout %gs",
                   len(devs), [str(d) for d in devs], timeout)
         if k > 1:
             _log.info("MirroredStrategy: %d logical devices per replica: %s", k,
-                      [[str(d) for d in g] for g in groups])
+                      [[str(d) for d in g] for g in logical.groups])

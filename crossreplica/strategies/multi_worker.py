@@ -42,7 +42,7 @@ from ..reduce_op import ReduceOp, from_wire, mean_scale, to_wire
 from ..timeouts import canonical_timeout
 from .base import Strategy, StrategyExtended
 from .bootstrap import env_int, init_process_group
-from .logical_devices import group_devices
+from .logical_devices import LogicalDevices
 from .network import bounded
 
 __all__ = ["MultiWorkerMirroredStrategy", "MultiWorkerExtended"]
@@ -273,8 +273,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         settings.slow_seconds()
         settings.heartbeat_seconds()
         local_rank = env_int("LOCAL_RANK", 0) or 0
-        groups = group_devices(self._devices(replicas_per_worker, backend, devices, local_rank, k), k)
-        devs = [g[0] for g in groups]
+        logical = LogicalDevices.consecutive(self._devices(replicas_per_worker, backend, devices, local_rank, k), k)
+        devs = list(logical.column(0))
         on_cuda = devs[0].type == "cuda"
         if backend is None:
             backend = "nccl" if on_cuda else "gloo"
@@ -295,7 +295,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         self.extended.job_store = tp.default_store() if job_store is None else job_store
         self.extended.joining = joining
         self.extended.communication_options = communication_options
-        self.extended.set_logical_devices(groups)
+        self.extended.set_logical_devices(logical.groups)
         self.extended.layout_invariant = check_layout(layout_invariant, engine.num_replicas)
         if str(dist.get_backend()) == "nccl":
             engine.barrier("set-up")  # creates the communicators with every rank present
