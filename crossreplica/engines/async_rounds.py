@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from collections.abc import Sequence
 from typing import cast
 
@@ -36,6 +35,7 @@ import torch
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError
 from ..reduce_op import ReduceOp
 from .base import Call, Pending, check_agreement
+from .deadline import Deadline
 from .reduction import reduce_into
 from .rendezvous import Rendezvous
 
@@ -154,10 +154,7 @@ class AsyncRounds:
     def _wait(self, i: int, k: int, call: Call, timeout: float) -> list[torch.Tensor]:
         """Helps with whatever work is ready until round ``k`` is reduced; bounded, failure-aware,
         and warning once, as the rendezvous does, when the round is slow."""
-        started = time.monotonic()
-        deadline = started + timeout
-        slow = self._rendezvous.slow
-        warn_at = started + slow if slow < timeout else math.inf
+        wait = Deadline(timeout, self._rendezvous.slow)
         while True:
             self.progress()
             failure = self._rendezvous.failure()
@@ -174,17 +171,14 @@ class AsyncRounds:
                     if r.claimed < len(r.chunks):
                         continue  # work to claim
                 missing = [j for j in range(self._n) if r.calls[j] is None]
-                now = time.monotonic()
-                if now >= warn_at and missing:
-                    warn_at = math.inf
+                if missing and wait.turned_slow():
                     names = self._names
                     _log.warning("collective %s has waited %.3gs: replicas %s have not arrived yet (replicas %s are "
                                  "waiting; asynchronous round #%d of this run); it fails after %gs", call.describe(),
-                                 now - started, [names[j] for j in missing],
+                                 wait.waited, [names[j] for j in missing],
                                  [names[j] for j in range(self._n) if r.calls[j] is not None], k + 1, timeout)
-                left = deadline - now
-                if left > 0 and not any(self._rendezvous.has_finished(j) for j in missing):
-                    self._cond.wait(max(min(left, 1.0, warn_at - now), 1e-3))
+                if not wait.expired() and not any(self._rendezvous.has_finished(j) for j in missing):
+                    self._cond.wait(wait.next_block(cap=1.0))
                     continue
             self._fail(i, k, call, missing, timeout)
 

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAborted
 from ..logs import report, slow_seconds
 from .base import Kind
+from .deadline import Deadline
 
 __all__ = ["Rendezvous"]
 
@@ -137,21 +137,19 @@ class Rendezvous:
         return self._wait(i, call, self.timeout if timeout is None else timeout)
 
     def _wait(self, i: int, call: Any, timeout: float) -> Any:
-        slow = self.slow
-        if slow < timeout:
-            if self._wake[i].acquire(timeout=slow):
-                return self._outcome_of(i)
-            started = time.monotonic() - slow
-            warned = self._warn_slow(i, call, slow, timeout)
-            if self._wake[i].acquire(timeout=timeout - slow):
-                self._pass_on(i)
-                if warned and _log.isEnabledFor(logging.INFO):
-                    _log.info("collective %s on replica %s completed after %.3gs", _describe(call),
-                              self.names[i], time.monotonic() - started)
-                return self._outcome_of(i)
-            self._timed_out(i, call, timeout)
-        elif not self._wake[i].acquire(timeout=timeout):
-            self._timed_out(i, call, timeout)
+        wait = Deadline(timeout, self.slow)
+        reported = False
+        while not self._wake[i].acquire(timeout=wait.next_block()):
+            if wait.expired():
+                self._timed_out(i, call, timeout)  # raises, unless the round completed just now
+                break
+            if wait.turned_slow():
+                reported = self._warn_slow(i, call, wait.waited, timeout)
+        if reported:
+            self._pass_on(i)
+            if _log.isEnabledFor(logging.INFO):
+                _log.info("collective %s on replica %s completed after %.3gs", _describe(call),
+                          self.names[i], wait.waited)
         return self._outcome_of(i)
 
     def _warn_slow(self, i: int, call: Any, waited: float, timeout: float) -> bool:

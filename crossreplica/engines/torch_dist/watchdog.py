@@ -34,6 +34,7 @@ from ... import torch_private as tp
 from ...errors import CollectiveMismatchError, CollectiveTimeoutError, CrossReplicaError, ReplicaAborted
 from ...logs import slow_seconds
 from ..base import Call
+from ..deadline import Deadline
 from .heartbeat import Heartbeat, Pulses, describe, period
 from .store_probe import StoreProbe
 
@@ -135,8 +136,8 @@ class Watchdog:
         CollectiveTimeoutError naming ``late()``), and warns once when the wait is slow.
         ``attempt`` paces itself (a sliced backend wait, a batch of store polls); with
         ``pace`` the loop also sleeps between attempts, doubling up to ``pace`` seconds."""
-        deadline = time.monotonic() + self.timeout
-        posted = warned = False
+        wait = Deadline(self.timeout, self.slow)
+        posted = False
         pause = min(1e-4, pace)
         while not attempt():
             if not posted:
@@ -145,10 +146,9 @@ class Watchdog:
             aborted = self.abort_message()
             if aborted is not None:
                 raise ReplicaAborted(f"{aborted}; this worker was released from {self.where}")
-            waited = self.timeout - (deadline - time.monotonic())
-            if waited >= _SLICE:  # never on a fast exchange's path
+            if wait.waited >= _SLICE:  # never on a fast exchange's path
                 self.raise_if_peers_lost()
-            if waited >= self.timeout:
+            if wait.expired():
                 missing = list(late())
                 if timed_out is not None:
                     raise timed_out(missing)
@@ -157,15 +157,14 @@ class Watchdog:
                     f"collective {self.where} timed out after {self.timeout:g}s on worker rank "
                     f"{self.rank}: worker ranks {missing} (replicas {list(replicas)}) never "
                     f"arrived (ranks taking part: {list(ranks)}){self._cut_off()}", replicas)
-            if not warned and waited >= self.slow:
-                warned = True
-                self.warn_slow(deadline, ranks, late())
+            if wait.turned_slow():
+                self.warn_slow(wait, ranks, late())
             if pace:
                 time.sleep(pause)
                 pause = min(2 * pause, pace)
-        if warned:
-            self.completed(deadline)
-        return deadline
+        if wait.warned:
+            self.completed(wait)
+        return wait.end
 
     def wait(self, work: Any, ranks: Sequence[int]) -> None:
         """Waits for ``work`` in slices (:meth:`until`)."""
@@ -303,18 +302,16 @@ class Watchdog:
                 "worker too, so this worker is probably the one cut off from the others (a network partition), "
                 "and the ranks named are only those it could not hear from")
 
-    def warn_slow(self, deadline: float, ranks: Sequence[int], late: Sequence[int]) -> None:
+    def warn_slow(self, wait: Deadline, ranks: Sequence[int], late: Sequence[int]) -> None:
         """The WARNING of a wait past the slow threshold (once per wait; any transport)."""
-        waited = self.timeout - (deadline - time.monotonic())
         _log.warning("collective %s has waited %.3gs on worker rank %s: worker ranks %s (replicas %s) have "
-                     "not reached it yet (ranks taking part: %s); it fails after %gs", self.where, waited,
+                     "not reached it yet (ranks taking part: %s); it fails after %gs", self.where, wait.waited,
                      self.rank, list(late), list(self._replicas_of(late)), list(ranks), self.timeout)
 
-    def completed(self, deadline: float) -> None:
+    def completed(self, wait: Deadline) -> None:
         """The INFO record of a wait that completed after its slow warning."""
         if _log.isEnabledFor(logging.INFO):
-            _log.info("collective %s on worker rank %s completed after %.3gs", self.where, self.rank,
-                      self.timeout - (deadline - time.monotonic()))
+            _log.info("collective %s on worker rank %s completed after %.3gs", self.where, self.rank, wait.waited)
 
     def _replicas_of(self, workers: Sequence[int]) -> tuple[int, ...]:
         per_worker = self.replicas_per_worker
