@@ -58,6 +58,10 @@ class ReplicaHost(Protocol):
     def run_token(self) -> object:
         """Identifies the run in progress; a new run gets a new token."""
 
+    @property
+    def engine(self) -> "Engine":
+        """The engine the replicas' collectives run on."""
+
     def merge_call(self, rctx: "ReplicaContext", merge_fn: Callable[..., Any], args: tuple,
                    kwargs: dict, timeout: float | None = None) -> Any:
         """Runs ``merge_fn`` once for the local replicas (see ReplicaContext.merge_call)."""
@@ -80,6 +84,8 @@ class StrategyLike(Protocol):
     @property
     def num_replicas_in_sync(self) -> int: ...
 
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]: ...
+
 
 Frame = tuple[StrategyLike, "ReplicaContext | None"]
 
@@ -91,13 +97,13 @@ class _Stack(threading.local):
 
 
 _stack = _Stack()
-_default_factory: Callable[[], Any] | None = None
-_default_strategy: Any = None
+_default_factory: Callable[[], StrategyLike] | None = None
+_default_strategy: StrategyLike | None = None
 _default_lock = threading.Lock()
 _default_replica_context: "ReplicaContext | None" = None
 
 
-def register_default_strategy(factory: Callable[[], Any]) -> None:
+def register_default_strategy(factory: Callable[[], StrategyLike]) -> None:
     """Sets how the strategy used outside any scope is built (once, lazily).
 
     The strategies layer registers its single-replica strategy here, so this
@@ -147,7 +153,7 @@ def current_update() -> "tuple[Any, int] | None":
     return updates[-1] if updates else None
 
 
-def _default() -> Any:
+def _default() -> StrategyLike:
     global _default_strategy
     if _default_strategy is None:
         with _default_lock:
@@ -323,7 +329,7 @@ class _DefaultReplicaContext(ReplicaContext):
 
     __slots__ = ()
 
-    def __init__(self, strategy: Any):
+    def __init__(self, strategy: StrategyLike):
         super().__init__(strategy, 0, 0, strategy.extended.engine)  # the default strategy's engine
 
     @property

@@ -25,7 +25,7 @@ import torch
 
 from . import context
 from .collectives.leaves import tensor_leaves
-from .context import ReplicaContext
+from .context import ReplicaContext, StrategyLike
 from .errors import CollectiveMismatchError
 from .reduce_op import ReduceOp, check_dtype
 from .values import PerReplica
@@ -62,7 +62,7 @@ def merged_all_reduce(cdo: CrossDeviceOps, rctx: ReplicaContext, op: ReduceOp, t
     ext = rctx.strategy.extended
     timeout = options.timeout_seconds if options is not None else None
 
-    def merge_fn(strategy: Any, mine: Any) -> PerReplica:
+    def merge_fn(strategy: StrategyLike, mine: Any) -> PerReplica:
         parts = list(strategy.experimental_local_results(mine))
         _check_agree(parts, ext.local_replica_ids)
         values = [PerReplica([p.tensors[t] for p in parts]) for t in range(len(parts[0].tensors))]
