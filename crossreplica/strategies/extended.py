@@ -183,13 +183,13 @@ class StrategyExtended:
                 f"starting with that replica's device {summarize(self._logical.column(0))}")
         self._logical = logical
 
-    def replica_logical_devices(self, api: str = "logical devices") -> tuple[torch.device, ...]:
+    def replica_logical_devices(self) -> tuple[torch.device, ...]:
         """The logical devices of the replica running in this thread.
 
         Raises:
             ReplicaContextError: outside a replica function of this strategy.
         """
-        rctx = context.require_replica_context(api)
+        rctx = context.require_replica_context("logical devices")
         if rctx.strategy.extended is not self:
             raise ReplicaContextError("the replica function running belongs to another strategy; use the "
                                       "logical devices of the strategy that runs it")

@@ -47,7 +47,7 @@ class LogicalDevices:
     """Which devices each local replica owns: one group per local replica, the same size
     for every replica, the replica's own device first. Immutable."""
 
-    __slots__ = ("groups",)
+    __slots__ = ("groups", "_first")
 
     def __init__(self, groups: Sequence[Sequence[torch.device]]):
         grouped = tuple(tuple(g) for g in groups)
@@ -57,6 +57,7 @@ class LogicalDevices:
         if len({len(g) for g in grouped}) != 1:
             raise ValueError(f"every replica must own the same number of logical devices; got {summarize(grouped)}")
         self.groups: tuple[tuple[torch.device, ...], ...] = grouped
+        self._first = tuple(g[0] for g in grouped)
 
     @classmethod
     def consecutive(cls, devices: Sequence[torch.device], k: int) -> LogicalDevices:
@@ -78,7 +79,7 @@ class LogicalDevices:
 
     def column(self, j: int) -> tuple[torch.device, ...]:
         """Logical device ``j`` of every local replica, in local order."""
-        return tuple(g[j] for g in self.groups)
+        return self._first if j == 0 else tuple(g[j] for g in self.groups)
 
     def check_id(self, logical_device_id: Any) -> int:
         """``logical_device_id`` as an int in ``[0, per_replica)``, or ValueError naming it."""
