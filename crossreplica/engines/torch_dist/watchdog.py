@@ -128,15 +128,18 @@ class Watchdog:
     # ------------------------------------------------------------ waiting
 
     def until(self, attempt: Callable[[], bool], ranks: Sequence[int], late: Callable[[], Sequence[int]],
-              pace: float = 0.0, timed_out: Callable[[list[int]], BaseException] | None = None) -> float:
+              pace: float = 0.0, timed_out: Callable[[list[int]], BaseException] | None = None,
+              wait: Deadline | None = None) -> float:
         """The one wait of this engine: calls ``attempt()`` until it returns True, bounded by
         the timeout, and returns the deadline. Between attempts it posts this worker's
         progress (once), raises when another worker announced a failure, a peer's heartbeat
         stopped or the deadline passed (``timed_out(late())``, or the collective's
         CollectiveTimeoutError naming ``late()``), and warns once when the wait is slow.
         ``attempt`` paces itself (a sliced backend wait, a batch of store polls); with
-        ``pace`` the loop also sleeps between attempts, doubling up to ``pace`` seconds."""
-        wait = Deadline(self.timeout, self.slow)
+        ``pace`` the loop also sleeps between attempts, doubling up to ``pace`` seconds.
+        ``wait``: the bounds to keep, when ``attempt`` needs them too (default: from now)."""
+        if wait is None:
+            wait = Deadline(self.timeout, self.slow)
         posted = False
         pause = min(1e-4, pace)
         while not attempt():
@@ -172,11 +175,11 @@ class Watchdog:
             work.wait()  # the NCCL watchdog enforces the process-group timeout
             return
 
-        end = time.monotonic() + self.timeout  # the last slice ends at the deadline, not past it
+        bounds = Deadline(self.timeout, self.slow)  # the last slice ends at the deadline, not past it
 
         def attempt() -> bool:
             try:
-                work.wait(datetime.timedelta(seconds=max(min(_SLICE, end - time.monotonic()), 0.001)))
+                work.wait(datetime.timedelta(seconds=max(min(_SLICE, bounds.end - time.monotonic()), 0.001)))
             except RuntimeError as e:
                 # Anything but the end of a slice (or a finished work) is the backend
                 # reporting a real failure.
@@ -185,7 +188,7 @@ class Watchdog:
                 return False
             return True
 
-        self.until(attempt, ranks, lambda: self._missing(ranks))
+        self.until(attempt, ranks, lambda: self._missing(ranks), wait=bounds)
 
     def await_peers(self, peers: Sequence[int], ranks: Sequence[int]) -> float:
         """Posts this worker's arrival at its next exchange with each of ``peers`` and waits
