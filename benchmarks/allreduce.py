@@ -1,8 +1,8 @@
 """In-process all-reduce: our threads engine vs a naive one-thread reduction.
 
 For each replica count and size, interleaved trials measure side by side:
-  ours    cr.all_reduce inside strategy.run, per call (replica 0's clock)
-  naive   torch.stack(xs).sum(0) in one thread (one output, not N)
+  ours    cr.all_reduce(x, op) inside strategy.run, per call (replica 0's clock)
+  naive   torch.stack(xs).sum(0) (or .mean(0), ...) in one thread (one output, not N)
   bound   the memory-traffic bound: every input read once and every output
           written once is 2 x N x size bytes; at the bandwidth of a
           preallocated dst.copy_(src) (which reads and writes size bytes)
@@ -13,6 +13,7 @@ Ratios: speed-up over naive (naive / ours) and fraction of the bound
 
     .venv/bin/python benchmarks/allreduce.py            # full table
     .venv/bin/python benchmarks/allreduce.py --quick    # fewer sizes and trials
+    .venv/bin/python benchmarks/allreduce.py --op mean  # another reduction (default sum)
 
 It also draws docs/img/allreduce.png (--plot PATH, --no-plot): time vs size
 per replica count against the naive baseline and the traffic bound, and the
@@ -40,9 +41,13 @@ def reps_for(nbytes: int, n: int) -> int:
     return max(3, min(3000, int(3e7 / (nbytes * n))))
 
 
-def _loop(x: torch.Tensor, reps: int) -> float:
-    cr.all_reduce(x)  # warm-up: first-touch of the output pages
-    return timeit(lambda: cr.all_reduce(x), reps)
+def _loop(x: torch.Tensor, reps: int, op: str) -> float:
+    cr.all_reduce(x, op)  # warm-up: first-touch of the output pages
+    return timeit(lambda: cr.all_reduce(x, op), reps)
+
+
+_NAIVE = {"sum": lambda t: t.sum(0), "mean": lambda t: t.mean(0), "max": lambda t: t.amax(0),
+          "min": lambda t: t.amin(0), "prod": lambda t: t.prod(0)}
 
 
 def copy_time(nbytes: int, reps: int) -> float:
@@ -62,13 +67,16 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--sizes", type=int, nargs="+", default=None, help="bytes per replica")
     parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--op", choices=sorted(_NAIVE), default="sum", help="the reduction (default sum)")
     parser.add_argument("--quick", action="store_true")
     add_plot_arguments(parser, "allreduce")
     args = parser.parse_args()
     sizes = args.sizes or (SIZES[::2] if args.quick else SIZES)
     trials = 3 if args.quick else args.trials
     torch.set_num_threads(1)  # the replicas are the parallelism; the naive baseline is one thread
-    print(f"torch {torch.__version__}, {os.cpu_count()} cores, {trials} interleaved trials, medians\n")
+    print(f"torch {torch.__version__}, {os.cpu_count()} cores, all_reduce {args.op}, {trials} interleaved trials, "
+          f"medians\n")
+    naive_op = _NAIVE[args.op]
     rows = []
     points = []
     for n in args.replicas:
@@ -78,8 +86,8 @@ def main() -> None:
             xs = [torch.randn(nbytes // 4) for _ in range(n)]
             ours, naive, copy = [], [], []
             for _ in range(trials):
-                ours.append(strategy.run(_loop, (cr.PerReplica(xs), reps)).values[0])
-                naive.append(timeit(lambda xs=xs: torch.stack(xs).sum(0), reps))
+                ours.append(strategy.run(_loop, (cr.PerReplica(xs), reps, args.op)).values[0])
+                naive.append(timeit(lambda xs=xs: naive_op(torch.stack(xs)), reps))
                 copy.append(copy_time(nbytes, reps))
             t_ours, t_naive = median(ours), median(naive)
             t_bound = n * median(copy)
@@ -88,7 +96,7 @@ def main() -> None:
                          f"{t_naive / t_ours:.2f}x", f"{100 * t_bound / t_ours:.0f}%"])
             print(" | ".join(rows[-1]), flush=True)
     print()
-    print_table(["replicas", "size", "ours", "naive stack+sum", "traffic bound", "speed-up", "of bound"], rows)
+    print_table(["replicas", "size", "ours", f"naive stack+{args.op}", "traffic bound", "speed-up", "of bound"], rows)
     if not args.no_plot:
         plot_allreduce(points, args.plot, SMOKE_NOTE if args.quick else None)
 

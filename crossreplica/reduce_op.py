@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import cmath
 import enum
 from typing import Any
 
 import torch
 from .errors import summarize
 
-__all__ = ["WIRE_DTYPES", "ReduceOp", "from_wire", "mean_scale", "to_wire", "wire_dtype"]
+__all__ = ["WIRE_DTYPES", "ReduceOp", "from_wire", "mean_scale", "sum_is_finite", "to_wire", "wire_dtype"]
 
 
 class ReduceOp(enum.Enum):
@@ -163,3 +164,10 @@ def mean_scale(op: ReduceOp, n: int, dtype: torch.dtype) -> float | None:
     if op is not ReduceOp.MEAN or n < 2 or dtype not in _SCALED_MEAN:
         return None
     return float(1 << (n - 1).bit_length())
+
+
+def sum_is_finite(t: torch.Tensor) -> bool:
+    """Whether a MEAN's result may stand: the sum of its elements is finite. An inf (or a nan
+    from the inputs) anywhere makes it non-finite; a finite result whose own sum overflows
+    fails too, and is redone scaled needlessly but right. One read-only pass."""
+    return cmath.isfinite(t.sum().item())

@@ -34,7 +34,6 @@ so a backward never leaves a peer waiting.
 
 from __future__ import annotations
 
-import cmath
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,7 +45,7 @@ from ..engines.base import Call, Kind, is_inplace
 from ..engines.kinds import REDUCING, SPECS, Run, gather
 from ..engines.wire import execute_on_wire
 from ..groups import Groups
-from ..reduce_op import ReduceOp, from_wire, mean_scale, to_wire
+from ..reduce_op import ReduceOp, from_wire, mean_scale, sum_is_finite, to_wire
 
 __all__ = ["Collective", "Run", "dual", "execute", "execute_one", "gather", "gather_sizes", "raw"]
 
@@ -68,7 +67,8 @@ def raw(rctx: ReplicaContext, kind: Kind, groups: Groups, params: Any,
             if t.device != device:
                 _wrong_device(current, kind, tensors, device)
     call = Call.of(kind, groups, params, tensors)
-    if kind in REDUCING and params.op is ReduceOp.MEAN:
+    # A MEAN whose engine checks the results itself, once for every replica, runs plain here.
+    if kind in REDUCING and params.op is ReduceOp.MEAN and not rctx.engine.checks_mean_overflow(call):
         scales = [mean_scale(ReduceOp.MEAN, len(groups[0]), t.dtype) for t in tensors]
         if any(s is not None for s in scales):
             if not _mean_checked_after(kind, groups, call, tensors):
@@ -77,9 +77,7 @@ def raw(rctx: ReplicaContext, kind: Kind, groups: Groups, params: Any,
             # the result) takes the scaled path. Every replica holds the same result, so all of
             # them take the same branch and make the same engine calls.
             outs = execute_on_wire(rctx.engine, rctx.replica_id_in_sync_group, call, tensors)
-            # One read-only pass: an inf (or a nan from the inputs) anywhere makes the sum
-            # non-finite; a finite result whose own sum overflows is redone too, needlessly but right.
-            if all(s is None or cmath.isfinite(o.sum().item()) for o, s in zip(outs, scales)):
+            if all(s is None or sum_is_finite(o) for o, s in zip(outs, scales)):
                 return outs
             return _scaled_mean(rctx, kind, groups, params, tensors, scales)
     # float16/bfloat16 sums accumulate in float32; unsigned ints travel as signed ones (wire.py)

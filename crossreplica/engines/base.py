@@ -190,6 +190,12 @@ class Engine(abc.ABC):
         runs it now and returns it finished."""
         return Pending.done(self.execute(replica_id, call, tensors))
 
+    def checks_mean_overflow(self, call: Call) -> bool:
+        """Whether ``execute`` of this MEAN all-reduce (plain, not in place) itself redoes it
+        scaled when a result's sum is not finite, as the collectives layer would on every
+        replica (``collectives.autodiff``): once for every replica instead. The default: no."""
+        return False
+
     def shared_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """A buffer the engine all-reduces in place faster than any other tensor (the
         optimizer keeps its gradient buckets there), or None: the default, no such thing.

@@ -40,7 +40,7 @@ import torch
 from .. import settings
 from ..groups import Groups
 from ..logs import replica_failed
-from ..reduce_op import ReduceOp
+from ..reduce_op import ReduceOp, from_wire, mean_scale, sum_is_finite, to_wire
 from .base import (
     BARRIER,
     Call,
@@ -70,6 +70,9 @@ _log = logging.getLogger(__name__)
 # re-read from cache by the next operand. Measured on the 2-core VM, blocks
 # down to 256 KiB bought nothing over 4 MiB ones and cost more kernel launches.
 BLOCK_BYTES = 4 * 1024 * 1024
+# The dtypes whose MEAN travels in its own dtype and may overflow (reduce_op.mean_scale):
+# the leader checks their results for every replica (checks_mean_overflow).
+_OWN_WIRE_MEAN = frozenset((torch.float32, torch.float64, torch.complex64, torch.complex128))
 
 _CORES = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 
@@ -129,6 +132,7 @@ class ThreadsEngine(Engine):
         self._pool = BufferPool(max_buffers=4 * self.num_replicas)
         # Every replica on one device (the CPU case): no per-tensor device checks.
         self._one_device = len(set(self.devices)) == 1
+        self._on_one_cpu = self._one_device and self.devices[0].type == "cpu"
         # The tuning settings are read once here: the hot path reads attributes.
         self._parallel_bytes = settings.parallel_bytes()
         self._shared_rows_members = settings.shared_rows_members()
@@ -140,7 +144,7 @@ class ThreadsEngine(Engine):
         self._fenced = FencedRounds(self.rendezvous) if self._cuda else None
         # In-place all-reduces started during backward (the optimizer's buckets), on one CPU.
         self._async = (AsyncRounds(self.rendezvous, self.local_replica_ids)
-                       if self._one_device and self.devices[0].type == "cpu" and self.num_replicas > 1 else None)
+                       if self._on_one_cpu and self.num_replicas > 1 else None)
         if _log.isEnabledFor(logging.DEBUG):
             _log.debug("threads engine: replicas %s on %s, timeout %gs, slow-collective warning after %gs, "
                        "parallel path from %d bytes on %d cores", list(self.local_replica_ids),
@@ -225,6 +229,18 @@ class ThreadsEngine(Engine):
         outputs = [self._own(calls, payloads, i) for i in range(self.num_replicas)]
         return _Plan(outputs)
 
+    def checks_mean_overflow(self, call: Call) -> bool:
+        """True where the leader reduces for everyone (on the CPU, below the parallel path's
+        size, one group: the calls the collectives layer checks after the fact) and no leaf
+        changes dtype on the wire: the leader then checks the results' sums once and redoes
+        the call scaled, as every replica would (engines.base)."""
+        params = call.params
+        return (call.kind is Kind.ALL_REDUCE and params.op is ReduceOp.MEAN and not params.inplace  # type: ignore[union-attr]
+                and self._on_one_cpu and len(call.groups) == 1
+                and not call.source_dtypes
+                and all(d in _OWN_WIRE_MEAN for d in call.dtypes)
+                and sum(math.prod(s) * d.itemsize for s, d in zip(call.shapes, call.dtypes)) < self._parallel_bytes)
+
     def _part(self, plan: _Plan, i: int) -> list[torch.Tensor] | None:
         call = plan.calls[i]
         if call.kind is Kind.ALL_REDUCE:
@@ -266,6 +282,9 @@ class ThreadsEngine(Engine):
             op = calls[members[0]].params.op
             if self._one_device:
                 columns = [self._reduce_column(op, [payloads[m][t] for m in members]) for t in leaves]
+                if (op is ReduceOp.MEAN and self.checks_mean_overflow(calls[members[0]])
+                        and not all(sum_is_finite(column[0]) for column in columns)):
+                    columns = [self._scaled_mean_column([payloads[m][t] for m in members]) for t in leaves]
                 if len(columns) == 1:
                     for m, out in zip(members, columns[0]):
                         outputs[m] = [out]
@@ -284,6 +303,14 @@ class ThreadsEngine(Engine):
             for m, outs in zip(members, per_member):
                 outputs[m] = outs
         return _Plan(outputs)
+
+    def _scaled_mean_column(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One leaf's MEAN with the values scaled down by a power of two before the sum and the
+        result back up after: the collectives layer's redo of an overflowing MEAN, bit for bit."""
+        op, dtype = ReduceOp.MEAN, xs[0].dtype
+        scale = mean_scale(op, len(xs), dtype)
+        return [from_wire(op, out, dtype, scale)
+                for out in self._reduce_column(op, [to_wire(op, x, scale) for x in xs])]
 
     def _reduce_column(self, op: ReduceOp, xs: list[torch.Tensor]) -> Sequence[torch.Tensor]:
         """One leaf's all-reduce on one device: every member's output, in member order."""

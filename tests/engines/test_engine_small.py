@@ -6,6 +6,9 @@ import pytest
 import torch
 
 import crossreplica as cr
+from crossreplica.engines.base import Call, Kind
+from crossreplica.engines.kinds import AllReduceParams
+from crossreplica.engines.threads import ThreadsEngine
 
 _FOLD = {"sum": torch.add, "mean": torch.add, "max": torch.maximum, "min": torch.minimum, "prod": torch.mul}
 
@@ -67,3 +70,21 @@ def test_outputs_of_a_differentiable_call_can_be_modified_in_place(run_replicas)
     for y, grad in run_replicas(_modify_under_autograd, n, xs):
         assert torch.equal(y, ref)
         assert torch.equal(grad, torch.full((6,), 2.0 * n))  # the backward is the all-reduce of 2s
+
+
+def test_the_leader_checks_a_small_means_overflow_once_for_every_replica():
+    cpu = torch.device("cpu")
+    engine = ThreadsEngine([cpu] * 4, timeout=5)
+    every = ((0, 1, 2, 3),)
+
+    def call(dtype=torch.float32, op=cr.ReduceOp.MEAN, inplace=False, groups=every, numel=1024):
+        return Call.of(Kind.ALL_REDUCE, groups, AllReduceParams(op, inplace), [torch.zeros(numel, dtype=dtype)])
+
+    assert engine.checks_mean_overflow(call())
+    assert engine.checks_mean_overflow(call(torch.float64)) and engine.checks_mean_overflow(call(torch.complex64))
+    assert not engine.checks_mean_overflow(call(torch.bfloat16))  # summed in float32: checked per replica
+    assert not engine.checks_mean_overflow(call(op=cr.ReduceOp.SUM))
+    assert not engine.checks_mean_overflow(call(inplace=True))
+    assert not engine.checks_mean_overflow(call(groups=((0, 1), (2, 3))))
+    assert not engine.checks_mean_overflow(call(numel=1 << 20))  # the parallel path: checked per replica
+    engine.close()
