@@ -87,11 +87,6 @@ class LogicalDevices:
         return check_int(logical_device_id, "logical_device_id", low=0, high=k,
                          hint=f" (this strategy has logical_devices_per_replica={k})")
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, LogicalDevices) and other.groups == self.groups
-
-    __hash__ = None  # type: ignore[assignment]
-
     def __repr__(self) -> str:
         return f"LogicalDevices({list(map(list, self.groups))})"
 
