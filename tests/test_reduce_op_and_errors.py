@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import crossreplica as cr
+from crossreplica.reduce_op import all_finite
 
 
 @pytest.mark.parametrize("op", list(cr.ReduceOp))
@@ -81,3 +82,13 @@ def test_replica_error_plain_constructor():
     assert err.replica_id == 1 and err.__cause__ is original
     with pytest.raises(cr.ReplicaError, match=r"replica 1 raised KeyError"):
         raise err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.complex64], ids=str)
+def test_all_finite_is_decided_per_element(dtype):
+    big = torch.finfo(torch.float32 if dtype is torch.complex64 else dtype).max
+    assert all_finite(torch.randn(10).to(dtype)) and all_finite(torch.empty(0, dtype=dtype))
+    assert all_finite(torch.full((6,), 0.2 * big, dtype=torch.float64).to(dtype))  # finite; their sum overflows
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        assert not all_finite(torch.tensor([1.0, bad]).to(dtype))
+    assert not all_finite(torch.tensor([float("inf"), float("-inf")]).to(dtype))  # a nan sum

@@ -423,7 +423,7 @@ def _mean_pair(pair):
 
 def _mean_rule(leaves_per_replica, scale=4.0):
     """The MEAN of every leaf over the replicas by the documented rule: the plain sum in
-    replica order / n; when any leaf's result has a sum that is not finite, every leaf of
+    replica order / n; when any element of any leaf's result is not finite, every leaf of
     the call redone with its values scaled by 1/scale first and the result by scale after."""
     def mean(xs):
         total = xs[0] + xs[1]
@@ -433,26 +433,32 @@ def _mean_rule(leaves_per_replica, scale=4.0):
 
     columns = list(zip(*leaves_per_replica))
     plain = [mean(list(c)) for c in columns]
-    if all(torch.isfinite(p.sum()) for p in plain):
+    if all(bool(torch.isfinite(p).all()) for p in plain):
         return plain, False
     return [mean([x * (1.0 / scale) for x in c]) * scale for c in columns], True
 
 
-@pytest.mark.parametrize("overflow", [True, False], ids=["one-leaf-overflows", "no-overflow"])
-def test_a_mean_call_is_redone_scaled_as_a_whole_on_every_engine(run_replicas, overflow):
+@pytest.mark.parametrize("numel", [8, 100_000], ids=["small", "parallel-path"])
+@pytest.mark.parametrize("case", ["one-leaf-overflows", "no-overflow", "finite-but-its-sum-overflows"])
+def test_a_mean_call_is_redone_scaled_as_a_whole_on_every_engine(run_replicas, case, numel):
     # Leaf b's values turn subnormal when scaled by 1/4, so its bits tell the plain mean from
-    # the scaled one: the call's decision, taken once for every leaf and replica, shows.
+    # the scaled one: the call's decision, taken once for every leaf and replica, shows. The
+    # large leaf takes the threads engine's parallel path (each replica checks a share).
     big = torch.finfo(torch.float32).max
     g = torch.Generator().manual_seed(3)
     pairs = []
     for r in range(4):
-        a = torch.tensor([(0.9 if overflow else 0.1) * big, 1.0 + r, -2.5 * r], dtype=torch.float32)
+        a = torch.randn(numel, generator=g) * (1.0 + r)
+        if case == "one-leaf-overflows":
+            a[numel // 2] = 0.9 * big  # four of them: the sum overflows
+        elif case == "finite-but-its-sum-overflows":
+            a[:6] = 0.2 * big  # each mean is finite; their sum over the leaf is not
         b = (torch.rand(5, generator=g, dtype=torch.float64) * 3e-38 + 1e-38).float()
         pairs.append((a, b))
     expected, scaled = _mean_rule(pairs)
-    assert scaled is overflow
+    assert scaled is (case == "one-leaf-overflows")
     other, _ = _mean_rule([(b,) for _, b in pairs])  # leaf b alone: never scaled
-    assert torch.equal(other[0], expected[1]) is not overflow  # the test tells the two apart
+    assert torch.equal(other[0], expected[1]) is not scaled  # the test tells the two apart
     for out in run_replicas(_mean_pair, 4, pairs):
         assert all(torch.equal(o, e) for o, e in zip(out, expected)), (out, expected)
 

@@ -45,7 +45,7 @@ from ..engines.base import Call, Kind, is_inplace
 from ..engines.kinds import REDUCING, SPECS, Run, gather
 from ..engines.wire import execute_on_wire
 from ..groups import Groups
-from ..reduce_op import ReduceOp, from_wire, mean_scale, sum_is_finite, to_wire
+from ..reduce_op import ReduceOp, all_finite, from_wire, mean_scale, to_wire
 
 __all__ = ["Collective", "Run", "dual", "execute", "execute_one", "gather", "gather_sizes", "raw"]
 
@@ -77,7 +77,7 @@ def raw(rctx: ReplicaContext, kind: Kind, groups: Groups, params: Any,
             # the result) takes the scaled path. Every replica holds the same result, so all of
             # them take the same branch and make the same engine calls.
             outs = execute_on_wire(rctx.engine, rctx.replica_id_in_sync_group, call, tensors)
-            if all(s is None or sum_is_finite(o) for o, s in zip(outs, scales)):
+            if all(s is None or all_finite(o) for o, s in zip(outs, scales)):
                 return outs
             return _scaled_mean(rctx, kind, groups, params, tensors, scales)
     # float16/bfloat16 sums accumulate in float32; unsigned ints travel as signed ones (wire.py)

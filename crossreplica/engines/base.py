@@ -192,8 +192,9 @@ class Engine(abc.ABC):
 
     def checks_mean_overflow(self, call: Call) -> bool:
         """Whether ``execute`` of this MEAN all-reduce (plain, not in place) itself redoes it
-        scaled when a result's sum is not finite, as the collectives layer would on every
-        replica (``collectives.autodiff``): once for every replica instead. The default: no."""
+        scaled when an element of a result is not finite (``reduce_op.all_finite``), as the
+        collectives layer would on every replica (``collectives.autodiff``): once for every
+        replica instead. The default: no."""
         return False
 
     def shared_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:

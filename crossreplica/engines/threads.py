@@ -40,7 +40,7 @@ import torch
 from .. import settings
 from ..groups import Groups
 from ..logs import replica_failed
-from ..reduce_op import ReduceOp, from_wire, mean_scale, sum_is_finite, to_wire
+from ..reduce_op import ReduceOp, all_finite, from_wire, mean_scale, to_wire
 from .base import (
     BARRIER,
     Call,
@@ -103,7 +103,7 @@ def _plan_outputs(plan: "_Plan") -> list[Any]:
 class _Plan:
     """What the leader hands out: finished outputs, or work for every replica."""
 
-    __slots__ = ("calls", "outputs", "parallel", "payloads")
+    __slots__ = ("calls", "finite", "outputs", "parallel", "payloads")
 
     def __init__(self, outputs: list[Any], parallel: bool = False, calls: Sequence[Call] = (),
                  payloads: list[Any] = _NO_PAYLOADS):
@@ -111,6 +111,8 @@ class _Plan:
         self.parallel = parallel
         self.calls = calls  # parameters agree within a group only: each member uses its own
         self.payloads = payloads
+        #: per replica, whether its share of a checked MEAN came out finite (parallel path)
+        self.finite = [True] * len(outputs) if parallel else []
 
 
 class ThreadsEngine(Engine):
@@ -181,12 +183,22 @@ class ThreadsEngine(Engine):
         plan = self.rendezvous.exchange(i, call, tensors, self._lead, timeout)
         if not plan.parallel:
             return plan.outputs[i]
+        checked = self.checks_mean_overflow(call)
         try:
             out = self._part(plan, i)
+            if checked:
+                plan.finite[i] = self._all_reduce_share(call, plan, i, check=True)
         except BaseException as e:
             self.rendezvous.abort(i, e)
             raise
         self.rendezvous.exchange(i, BARRIER, None, None, timeout)
+        if checked and not all(plan.finite):  # every replica reads the same flags after the barrier
+            try:
+                self._all_reduce_share(call, plan, i, scaled=True)
+            except BaseException as e:
+                self.rendezvous.abort(i, e)
+                raise
+            self.rendezvous.exchange(i, BARRIER, None, None, timeout)
         return out if out is not None else plan.outputs[i]
 
     def execute_async(self, replica_id: int, call: Call, tensors: list[torch.Tensor]) -> Pending:
@@ -230,16 +242,15 @@ class ThreadsEngine(Engine):
         return _Plan(outputs)
 
     def checks_mean_overflow(self, call: Call) -> bool:
-        """True where the leader reduces for everyone (on the CPU, below the parallel path's
-        size, one group: the calls the collectives layer checks after the fact) and no leaf
-        changes dtype on the wire: the leader then checks the results' sums once and redoes
-        the call scaled, as every replica would (engines.base)."""
+        """True for a plain MEAN all-reduce over one group on one CPU (the calls the
+        collectives layer checks after the fact) whose leaves keep their dtype on the wire:
+        the leader checks the results once, or each sharer its share on the parallel path,
+        and every replica redoes the call scaled when one element is not finite, as each
+        would on its own (engines.base)."""
         params = call.params
         return (call.kind is Kind.ALL_REDUCE and params.op is ReduceOp.MEAN and not params.inplace  # type: ignore[union-attr]
-                and self._on_one_cpu and len(call.groups) == 1
-                and not call.source_dtypes
-                and all(d in _OWN_WIRE_MEAN for d in call.dtypes)
-                and sum(math.prod(s) * d.itemsize for s, d in zip(call.shapes, call.dtypes)) < self._parallel_bytes)
+                and self._on_one_cpu and len(call.groups) == 1 and len(call.groups[0]) > 1
+                and not call.source_dtypes and all(d in _OWN_WIRE_MEAN for d in call.dtypes))
 
     def _part(self, plan: _Plan, i: int) -> list[torch.Tensor] | None:
         call = plan.calls[i]
@@ -283,7 +294,7 @@ class ThreadsEngine(Engine):
             if self._one_device:
                 columns = [self._reduce_column(op, [payloads[m][t] for m in members]) for t in leaves]
                 if (op is ReduceOp.MEAN and self.checks_mean_overflow(calls[members[0]])
-                        and not all(sum_is_finite(column[0]) for column in columns)):
+                        and not all(all_finite(column[0]) for column in columns)):
                     columns = [self._scaled_mean_column([payloads[m][t] for m in members]) for t in leaves]
                 if len(columns) == 1:
                     for m, out in zip(members, columns[0]):
@@ -323,8 +334,12 @@ class ThreadsEngine(Engine):
         acc = reduced(op, xs)
         return [acc, *[acc.clone() for _ in xs[1:]]]
 
-    def _all_reduce_share(self, call: Call, plan: _Plan, i: int) -> None:
-        """Member ``j`` of a group reduces the ``j``-th share of every leaf for everyone."""
+    def _all_reduce_share(self, call: Call, plan: _Plan, i: int, check: bool = False,
+                          scaled: bool = False) -> bool:
+        """Member ``j`` of a group reduces the ``j``-th share of every leaf for everyone.
+        With ``check``, only says whether its share of the results is finite; with
+        ``scaled``, redoes its share as the collectives layer's scaled MEAN, bit for bit
+        (values times 1/2**k before the sum, the result times 2**k after)."""
         payloads, outputs = plan.payloads, plan.outputs
         op: ReduceOp = call.params.op
         members = next(ms for ms in self._sorted_members(call.groups) if i in ms)
@@ -332,14 +347,26 @@ class ThreadsEngine(Engine):
         # barrier would wait for whichever sharer the OS has descheduled.
         j, k = members.index(i), min(len(members), _CORES)
         if j >= k:
-            return
+            return True
         for t, shape in enumerate(call.shapes):
             n = math.prod(shape)
             lo, hi = n * j // k, n * (j + 1) // k
             if hi <= lo:
                 continue
-            xs = [payloads[m][t].view(-1)[lo:hi] for m in members]
             outs = [outputs[m][t].view(-1)[lo:hi] for m in members]
+            if check:
+                if not all_finite(outs[0]):
+                    return False
+                continue
+            xs = [payloads[m][t].view(-1)[lo:hi] for m in members]
+            if scaled:
+                scale = mean_scale(op, len(members), call.dtypes[t])
+                xs = [to_wire(op, x, scale) for x in xs]
+                reduce_into(op, outs[0], xs)
+                outs[0].copy_(from_wire(op, outs[0], call.dtypes[t], scale))
+                for o in outs[1:]:
+                    o.copy_(outs[0])
+                continue
             if not self._one_device:
                 home = outs[0].device
                 reduce_into(op, outs[0], [x.to(home) for x in xs])
@@ -359,6 +386,7 @@ class ThreadsEngine(Engine):
                 reduce_into(op, dst, [xb[b] for xb in x_blocks])
                 for ob in o_blocks[1:]:
                     ob[b].copy_(dst)
+        return True
 
     # ------------------------------------------------------------ the rest
 

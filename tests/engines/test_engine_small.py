@@ -72,7 +72,7 @@ def test_outputs_of_a_differentiable_call_can_be_modified_in_place(run_replicas)
         assert torch.equal(grad, torch.full((6,), 2.0 * n))  # the backward is the all-reduce of 2s
 
 
-def test_the_leader_checks_a_small_means_overflow_once_for_every_replica():
+def test_the_engine_checks_a_means_overflow_once_for_every_replica():
     cpu = torch.device("cpu")
     engine = ThreadsEngine([cpu] * 4, timeout=5)
     every = ((0, 1, 2, 3),)
@@ -86,5 +86,5 @@ def test_the_leader_checks_a_small_means_overflow_once_for_every_replica():
     assert not engine.checks_mean_overflow(call(op=cr.ReduceOp.SUM))
     assert not engine.checks_mean_overflow(call(inplace=True))
     assert not engine.checks_mean_overflow(call(groups=((0, 1), (2, 3))))
-    assert not engine.checks_mean_overflow(call(numel=1 << 20))  # the parallel path: checked per replica
+    assert engine.checks_mean_overflow(call(numel=1 << 20))  # the parallel path: each sharer checks its share
     engine.close()
