@@ -166,9 +166,8 @@ def _report(p: subprocess.Popen, deadline: float) -> str:
 def test_losing_a_hosts_workers_names_every_one_within_seconds(how):
     """2 hosts x 2 workers; both of host 1's workers are killed (or frozen with SIGSTOP).
     No connection of host 0's workers need break, yet they fail within seconds (the
-    heartbeats; a frozen worker caught in the middle of a transfer, within the timeout),
-    naming both lost ranks, and exit within the timeout; frozen workers, once thawed,
-    stop too."""
+    heartbeats, also for a frozen worker caught in the middle of a transfer), naming both
+    lost ranks, and exit within the timeout; frozen workers, once thawed, stop too."""
     timeout = 20.0
     with SimulatedHosts(2) as hosts:
         procs, early = _start_loop(hosts, 2, timeout)
@@ -187,12 +186,9 @@ def test_losing_a_hosts_workers_names_every_one_within_seconds(how):
     print(f"host 0's workers failed {took:.1f}s after host 1's were {dict(kill='killed', freeze='frozen')[how]}")
     outs = [a + b + c for a, b, c in zip(early, reports, survivors)]
     assert all(p.returncode == 3 for p in procs[:2]), outs
-    if how == "kill":
-        assert took < 10, (took, outs)  # the heartbeat's 2 s (or a broken connection), not the timeout
-    else:
-        # A worker frozen between arriving at a point-to-point exchange and sending its data is
-        # noticed only when gloo's transfer times out (it cannot be waited on in slices).
-        assert took < timeout + 5, (took, outs)
+    # The heartbeat's 2 s (or a broken connection), not the timeout: a worker frozen in the middle
+    # of a transfer too (an engine thread waits on it while the caller watches the heartbeats).
+    assert took < 10, (took, outs)
     # every lost rank named, and only those (by their heartbeats, or a broken connection)
     assert all("worker ranks [2, 3]" in report for report in reports), outs
     if how == "freeze":

@@ -96,6 +96,40 @@ def test_lost_workers_among_four_are_all_named_within_seconds(monkeypatch, how):
         assert thawed.is_instance("ReplicaAborted") and "worker ranks [2] stopped answering" in thawed.message
 
 
+def freeze_in_the_chain(x: torch.Tensor) -> torch.Tensor:
+    from crossreplica.engines.torch_dist import chain
+
+    y = cr.all_reduce(x, "sum")
+    eng = cr.get_replica_context().strategy.extended.engine
+    eng.hosts, chain.PIECE_BYTES = [(0, 1), (2, 3)], 256  # two hosts by hand: the chain, in pieces
+    if cr.replica_id() == 2:
+        fold = chain.reduce_into
+
+        def frozen(*args, **kwargs):  # after its sends to its host's owner, before its first fold
+            chain.reduce_into = fold  # once
+            subprocess.Popen(["sh", "-c", f"sleep 8; kill -CONT {os.getpid()}"])  # thawed later
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return fold(*args, **kwargs)
+        chain.reduce_into = frozen
+    z = cr.all_reduce(torch.ones(4096) * (y.sum() + cr.replica_id()), "sum")
+    return cr.all_reduce(z, "max")  # a thawed worker whose transfers all arrived stops here
+
+
+def test_a_worker_frozen_in_the_middle_of_a_transfer_is_named_within_seconds(monkeypatch):
+    """The survivors wait on point-to-point transfers from the frozen worker (gloo cannot wait
+    on them in slices); they watch the heartbeats meanwhile, so they name it in seconds
+    rather than at the timeout."""
+    monkeypatch.setenv("CROSSREPLICA_SHARED_MEMORY", "0")  # gloo, as between hosts
+    out = launch(freeze_in_the_chain, [torch.ones(3)] * 4, replicas_per_worker=1,
+                 timeout_seconds=COLLECTIVE_TIMEOUT)
+    for rank in (0, 1, 3):
+        err = out.failures[rank]
+        assert "worker ranks [2]" in err.message and "stopped answering" in err.message, err
+        assert err.elapsed < 10, err  # the heartbeat's 2 s, not the 60 s timeout
+    thawed = out.failures[2]  # once thawed, it stops too (at the latest at its next call): no second job
+    assert thawed.is_instance("ReplicaAborted") and "worker ranks [2] stopped answering" in thawed.message, thawed
+
+
 def hang_on_rank1(x: torch.Tensor) -> torch.Tensor:
     y = cr.all_reduce(x, "sum")
     if cr.replica_id() == 1:

@@ -28,10 +28,8 @@ same on every replica. Waits are bounded by the timeout as in ``p2p.exchange``.
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import socket
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -46,6 +44,7 @@ from ..base import Pending
 from ..reduction import reduce_into
 from .gather import gather_fixed
 from .plan import GroupPlan
+from .watchdog import Transfers
 
 if TYPE_CHECKING:
     from .engine import TorchDistEngine
@@ -127,7 +126,7 @@ def reduce_vectors(eng: TorchDistEngine, hosts: Hosts, op: ReduceOp, vectors: li
     nxt = hosts[h + 1][me] if owner and h + 1 < len(hosts) else None
     linked = {host[k] for k in range(k_slices)} | (set(host) if owner else set())
     peers = tuple(sorted((linked | {p for p in (prev, nxt) if p is not None}) - {rank}))
-    wait = _waiter(eng, peers)
+    wait = eng.watchdog.transfers(peers, tuple(sorted({*peers, rank})))
     sent, finals = [], []
     for k in range(k_slices):
         if host[k] == rank:
@@ -140,6 +139,7 @@ def reduce_vectors(eng: TorchDistEngine, hosts: Hosts, op: ReduceOp, vectors: li
     if owner:
         sent += _own_slice(eng, host, prev, nxt, op, vectors, out[starts[me]:starts[me + 1]], starts[me],
                            pieces[me], wait)
+    wait.expect(finals + sent)
     for work in finals + sent:
         wait(work)
     return out
@@ -150,7 +150,7 @@ _FINAL = 1 << 24  # the tags of reduced pieces (below: a piece's contributions, 
 
 def _own_slice(eng: TorchDistEngine, host: tuple[int, ...], prev: int | None, nxt: int | None, op: ReduceOp,
                vectors: list[torch.Tensor], mine: torch.Tensor, lo: int, pieces: list[tuple[int, int]],
-               wait: Any) -> list[Any]:
+               wait: Transfers) -> list[Any]:
     """Step 2 for this worker's slice (``mine``, at ``lo`` in the vector): continues the
     fold of the hosts before with this host's replicas (ascending id) piece by piece,
     passes it on, and sends the reduced pieces to the host's other workers and back down
@@ -165,6 +165,10 @@ def _own_slice(eng: TorchDistEngine, host: tuple[int, ...], prev: int | None, nx
     back = [dist.irecv(mine[a:b], nxt, tag=_FINAL + p) for p, (a, b) in enumerate(pieces)] if nxt is not None else []
     folded = torch.empty_like(mine) if nxt is not None else mine
     sent = []
+    # The transfer thread waits in the order this loop does: each piece's prefix and
+    # contributions, then the reduced pieces coming back down the chain.
+    wait.expect([work for p in range(len(pieces)) for work in [
+        *ahead[p:p + 1], *(work for w in host if w != rank for work in received[w][p])]] + back)
 
     def hand_on(a: int, b: int, p: int) -> None:
         for w in [*inbox, *([prev] if prev is not None else [])]:
@@ -199,15 +203,6 @@ def _pieces(n: int, dtype: torch.dtype) -> list[tuple[int, int]]:
     return [(a, min(a + step, n)) for a in range(0, n, step)]
 
 
-def _waiter(eng: TorchDistEngine, peers: tuple[int, ...]) -> Any:
-    """A wait for this step's works with ``peers``, bounded by the timeout: on gloo once the
-    peers have arrived (through the store, abort-aware; see ``p2p.exchange``)."""
-    watchdog = eng.watchdog
-    ranks = tuple(sorted({*peers, eng.rank}))
-    if eng.backend == "nccl" or watchdog.store is None:
-        return lambda work: watchdog.wait(work, ranks)
-    deadline = watchdog.await_peers(list(peers), ranks)
-    return lambda work: work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
 
 
 def start_chain(eng: TorchDistEngine, hosts: Hosts, op: ReduceOp, tensors: list[torch.Tensor]) -> Pending:

@@ -11,8 +11,6 @@ missing peer is a bounded, abort-aware wait rather than a lost receive.
 
 from __future__ import annotations
 
-import datetime
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -51,17 +49,12 @@ def exchange(eng: TorchDistEngine, sends: dict[int, list[torch.Tensor]],
     if ops:
         peers = tuple(sorted(set(sends) | set(recvs) | {eng.rank}))
         works = dist.batch_isend_irecv(ops)
-        watchdog = eng.watchdog
-        if eng.backend == "nccl" or watchdog.store is None:
-            for work in works:
-                watchdog.wait(work, peers)
-        else:
-            # gloo's send/recv works cannot be waited on in slices: a timed-out wait
-            # completes the work with an error (the recv is lost). So wait for the peers
-            # to arrive through the store (sliced, abort-aware), then for the transfer.
-            deadline = watchdog.await_peers([worker for worker in peers if worker != eng.rank], peers)
-            for work in works:
-                work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        # On gloo: the peers' arrival through the store, then the works on the transfer thread
+        # while this one watches the heartbeats (Watchdog.transfers).
+        wait = eng.watchdog.transfers([worker for worker in peers if worker != eng.rank], peers)
+        wait.expect(works)
+        for work in works:
+            wait(work)
     return {worker: unpack_bytes(inbox[worker], recvs[worker])[0] for worker in recvs}
 
 

@@ -21,10 +21,12 @@ message), ``progress/<rank>`` (the last cross-process call a worker reached),
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch.distributed as dist
@@ -114,6 +116,7 @@ class Watchdog:
         self.current: Call | str = "no collective yet"
         self._exchanges: dict[int, int] = {}  # peer worker -> point-to-point exchanges with it so far
         self._meetings = 0  # host-side collectives met so far (meet)
+        self._transfer_thread: ThreadPoolExecutor | None = None  # waits point-to-point works (Transfers)
 
     @property
     def prefix(self) -> str:
@@ -129,9 +132,9 @@ class Watchdog:
 
     def until(self, attempt: Callable[[], bool], ranks: Sequence[int], late: Callable[[], Sequence[int]],
               pace: float = 0.0, timed_out: Callable[[list[int]], BaseException] | None = None,
-              wait: Deadline | None = None) -> float:
+              wait: Deadline | None = None) -> Deadline:
         """The one wait of this engine: calls ``attempt()`` until it returns True, bounded by
-        the timeout, and returns the deadline. Between attempts it posts this worker's
+        the timeout, and returns its bounds. Between attempts it posts this worker's
         progress (once), raises when another worker announced a failure, a peer's heartbeat
         stopped or the deadline passed (``timed_out(late())``, or the collective's
         CollectiveTimeoutError naming ``late()``), and warns once when the wait is slow.
@@ -167,7 +170,7 @@ class Watchdog:
                 pause = min(2 * pause, pace)
         if wait.warned:
             self.completed(wait)
-        return wait.end
+        return wait
 
     def wait(self, work: Any, ranks: Sequence[int]) -> None:
         """Waits for ``work`` in slices (:meth:`until`)."""
@@ -190,10 +193,10 @@ class Watchdog:
 
         self.until(attempt, ranks, lambda: self._missing(ranks), wait=bounds)
 
-    def await_peers(self, peers: Sequence[int], ranks: Sequence[int]) -> float:
+    def await_peers(self, peers: Sequence[int], ranks: Sequence[int]) -> Deadline:
         """Posts this worker's arrival at its next exchange with each of ``peers`` and waits
         (:meth:`until`) until each has posted its arrival at the same exchange; returns the
-        deadline. Both sides of a pair walk their exchanges in the same order, so a per-pair
+        wait's bounds. Both sides of a pair walk their exchanges in the same order, so a per-pair
         count names the same exchange on both. Needs the store."""
         want = {}
         for peer in peers:
@@ -269,10 +272,23 @@ class Watchdog:
         finally:
             self.current = current
 
+    def transfers(self, peers: Sequence[int], ranks: Sequence[int]) -> Transfers:
+        """The waits for this exchange's point-to-point works with ``peers``: on gloo, once
+        the peers have arrived (:meth:`await_peers`), on this engine's transfer thread
+        (:class:`Transfers`); on NCCL, or without the store, in slices (:meth:`wait`)."""
+        if self.backend == "nccl" or self.store is None:
+            return Transfers(self, ranks, None)
+        if self._transfer_thread is None:
+            self._transfer_thread = ThreadPoolExecutor(1, thread_name_prefix="crossreplica-transfers")
+        return Transfers(self, ranks, self.await_peers(list(peers), ranks))
+
     def close(self) -> None:
-        """Stops this worker's heartbeat (the engine is closed)."""
+        """Stops this worker's heartbeat (the engine is closed); a transfer still waited on
+        ends at its deadline."""
         if self.heartbeat is not None:
             self.heartbeat.stop()
+        if self._transfer_thread is not None:
+            self._transfer_thread.shutdown(wait=False, cancel_futures=True)
 
     def stopped_peers(self) -> list[int]:
         """The peers whose heartbeat has stopped, as this worker has watched it so far
@@ -393,3 +409,51 @@ class Watchdog:
         return WorkerFailedError(
             f"collective {self.where} failed on worker rank {self.rank}: the connection to another "
             f"worker broke ({first}); {who}", replicas)
+
+
+class Transfers:
+    """Waits for one exchange's gloo send/recv works, which cannot be waited on in slices (a
+    timed-out wait completes the work with an error: the recv is lost). The engine's
+    transfer thread waits on them, each bounded by the exchange's deadline, in the order
+    :meth:`expect` gives them (the order the caller waits in, so that thread runs ahead),
+    while the caller's waits go through :meth:`Watchdog.until`: a peer frozen in the middle
+    of a transfer is named by its heartbeat within seconds instead of at the timeout."""
+
+    def __init__(self, watchdog: Watchdog, ranks: Sequence[int], bounds: Deadline | None):
+        self._watchdog, self._ranks, self._bounds = watchdog, tuple(ranks), bounds
+        self._pending: dict[int, tuple[Any, Future]] = {}  # id(work) -> (work, its wait)
+
+    def expect(self, works: Sequence[Any]) -> None:
+        """Starts waiting, in this order, for ``works`` the caller will wait for in this order."""
+        if self._bounds is None:
+            return
+        pool = self._watchdog._transfer_thread
+        assert pool is not None
+        for work in works:
+            if id(work) not in self._pending:
+                self._pending[id(work)] = (work, pool.submit(self._wait_on_thread, work))
+
+    def _wait_on_thread(self, work: Any) -> None:
+        assert self._bounds is not None
+        work.wait(datetime.timedelta(seconds=max(self._bounds.end - time.monotonic(), 0.001)))
+
+    def __call__(self, work: Any) -> None:
+        """Waits for ``work`` (raising what its wait raised)."""
+        watchdog = self._watchdog
+        if self._bounds is None:
+            watchdog.wait(work, self._ranks)
+            return
+        self.expect([work])
+        _, future = self._pending.pop(id(work))
+        if not future.done():
+            def settled() -> bool:
+                concurrent.futures.wait([future], timeout=_SLICE)
+                return future.done()
+            try:
+                watchdog.until(settled, self._ranks, lambda: [r for r in self._ranks if r != watchdog.rank],
+                               wait=self._bounds)
+            except BaseException:
+                for _, later in self._pending.values():  # not started: nobody will wait for them
+                    later.cancel()
+                raise
+        future.result()
