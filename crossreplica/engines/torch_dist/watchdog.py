@@ -445,15 +445,16 @@ class Transfers:
             return
         self.expect([work])
         _, future = self._pending.pop(id(work))
-        if not future.done():
-            def settled() -> bool:
-                concurrent.futures.wait([future], timeout=_SLICE)
-                return future.done()
-            try:
+
+        def settled() -> bool:
+            concurrent.futures.wait([future], timeout=_SLICE)
+            return future.done()
+        try:
+            if not future.done():
                 watchdog.until(settled, self._ranks, lambda: [r for r in self._ranks if r != watchdog.rank],
                                wait=self._bounds)
-            except BaseException:
-                for _, later in self._pending.values():  # not started: nobody will wait for them
-                    later.cancel()
-                raise
-        future.result()
+            future.result()
+        except BaseException:
+            for _, later in self._pending.values():  # not started: nobody will wait for them
+                later.cancel()
+            raise
