@@ -203,8 +203,6 @@ def _pieces(n: int, dtype: torch.dtype) -> list[tuple[int, int]]:
     return [(a, min(a + step, n)) for a in range(0, n, step)]
 
 
-
-
 def start_chain(eng: TorchDistEngine, hosts: Hosts, op: ReduceOp, tensors: list[torch.Tensor]) -> Pending:
     """Starts the in-place all-reduce of ``tensors`` (one dtype, contiguous, on the comm
     device) along the chain on the engine's chain thread, so backward goes on while
