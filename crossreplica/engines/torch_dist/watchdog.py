@@ -277,10 +277,10 @@ class Watchdog:
         the peers have arrived (:meth:`await_peers`), on this engine's transfer thread
         (:class:`Transfers`); on NCCL, or without the store, in slices (:meth:`wait`)."""
         if self.backend == "nccl" or self.store is None:
-            return Transfers(self, ranks, None)
+            return Transfers(self, ranks)
         if self._transfer_thread is None:
             self._transfer_thread = ThreadPoolExecutor(1, thread_name_prefix="crossreplica-transfers")
-        return Transfers(self, ranks, self.await_peers(list(peers), ranks))
+        return Transfers(self, ranks, (self._transfer_thread, self.await_peers(list(peers), ranks)))
 
     def close(self) -> None:
         """Stops this worker's heartbeat (the engine is closed); a transfer still waited on
@@ -419,30 +419,29 @@ class Transfers:
     while the caller's waits go through :meth:`Watchdog.until`: a peer frozen in the middle
     of a transfer is named by its heartbeat within seconds instead of at the timeout."""
 
-    def __init__(self, watchdog: Watchdog, ranks: Sequence[int], bounds: Deadline | None):
-        self._watchdog, self._ranks, self._bounds = watchdog, tuple(ranks), bounds
+    def __init__(self, watchdog: Watchdog, ranks: Sequence[int],
+                 on_thread: tuple[ThreadPoolExecutor, Deadline] | None = None):
+        """``on_thread``: the transfer thread and the exchange's bounds; None waits in slices
+        on the caller's thread (:meth:`Watchdog.wait`: NCCL, or no store)."""
+        self._watchdog, self._ranks, self._on_thread = watchdog, tuple(ranks), on_thread
         self._pending: dict[int, tuple[Any, Future]] = {}  # id(work) -> (work, its wait)
 
     def expect(self, works: Sequence[Any]) -> None:
         """Starts waiting, in this order, for ``works`` the caller will wait for in this order."""
-        if self._bounds is None:
+        if self._on_thread is None:
             return
-        pool = self._watchdog._transfer_thread
-        assert pool is not None
+        pool, bounds = self._on_thread
         for work in works:
             if id(work) not in self._pending:
-                self._pending[id(work)] = (work, pool.submit(self._wait_on_thread, work))
-
-    def _wait_on_thread(self, work: Any) -> None:
-        assert self._bounds is not None
-        work.wait(datetime.timedelta(seconds=max(self._bounds.end - time.monotonic(), 0.001)))
+                self._pending[id(work)] = (work, pool.submit(_wait_by, work, bounds.end))
 
     def __call__(self, work: Any) -> None:
         """Waits for ``work`` (raising what its wait raised)."""
         watchdog = self._watchdog
-        if self._bounds is None:
+        if self._on_thread is None:
             watchdog.wait(work, self._ranks)
             return
+        bounds = self._on_thread[1]
         self.expect([work])
         _, future = self._pending.pop(id(work))
 
@@ -452,9 +451,14 @@ class Transfers:
         try:
             if not future.done():
                 watchdog.until(settled, self._ranks, lambda: [r for r in self._ranks if r != watchdog.rank],
-                               wait=self._bounds)
+                               wait=bounds)
             future.result()
         except BaseException:
             for _, later in self._pending.values():  # not started: nobody will wait for them
                 later.cancel()
             raise
+
+
+def _wait_by(work: Any, end: float) -> None:
+    """On the transfer thread: ``work.wait`` bounded by ``end`` (the time left when it starts)."""
+    work.wait(datetime.timedelta(seconds=max(end - time.monotonic(), 0.001)))
