@@ -71,6 +71,32 @@ def _stop_process_pools():
     crt.shutdown()
 
 
+@pytest.fixture(scope="session")
+def simulated_hosts():
+    """Two simulated hosts (crossreplica.testing.hosts) for the session, for tests marked
+    ``hosts``; skips with the reason where they cannot be made. Pools placed on them are
+    closed before the hosts are removed."""
+    from crossreplica.testing.hosts import SimulatedHosts, available
+    from crossreplica.testing.runner import shutdown_pools
+
+    reason = available()
+    if reason is not None:
+        pytest.skip(reason)
+    with SimulatedHosts(2) as hosts:
+        try:
+            yield hosts
+        finally:
+            shutdown_pools(hosts)
+
+
+@pytest.fixture(params=[pytest.param(False, id="one-host"),
+                        pytest.param(True, id="2-hosts", marks=pytest.mark.hosts)])
+def hosts(request):
+    """None (every worker on this host), then the session's two simulated hosts: a test
+    taking it runs both ways (``hosts=`` of crossreplica.testing's runners)."""
+    return request.getfixturevalue("simulated_hosts") if request.param else None
+
+
 def pytest_collection_modifyitems(config, items):
     """``@pytest.mark.engine_xfail(engine, reason=...)``: a known limitation of one engine,
     xfail(strict=True) on that engine only (an unexpected pass fails the run)."""

@@ -29,6 +29,9 @@ With pytest, parametrise a fixture over ``crt.ENGINES`` and call
   (results, :class:`WorkerFailure` records, exit codes) instead of an exception:
   for testing what workers see when one of them fails.
 * :class:`WorkerPool`: start / run / close workers yourself.
+* ``hosts=`` (processes; each of the above): the workers spread over simulated
+  hosts (:class:`crossreplica.testing.hosts.SimulatedHosts`: network namespaces,
+  root only), consecutive ranks on each host, as torchrun places them.
 
 Workers are started by torch's elastic launcher with torchrun's environment
 (see :mod:`crossreplica.testing.pool`). This package sits above the strategies:

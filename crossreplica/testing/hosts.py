@@ -1,12 +1,13 @@
 """Simulated hosts: network namespaces on a bridge, each a host as far as a job can tell.
 
 Each host gets its own network namespace (an address on a shared bridge, its
-own loopback), and every command started on it its own UTS and mount
-namespaces: its own hostname, ``/etc/hosts`` (naming every host), ``/dev/shm``
-and ``/tmp``. So same-host shortcuts (shared memory, loopback) do not reach
-across hosts, and a link can be cut (``link_down``) or rate-limited (``tc``
-token bucket) per host. Needs root and iproute2 (``ip``, ``tc``) and
-util-linux (``unshare``); :func:`available` says why not when they are
+own loopback) and UTS and mount namespaces that every process started on it
+joins: its own hostname, ``/etc/hosts`` (naming every host), ``/dev/shm`` and
+``/tmp``, shared by the processes of that host and no other. So same-host
+shortcuts (shared memory, loopback) work within a host and do not reach across
+hosts, and a link can be cut (``link_down``) or rate-limited (``tc`` token
+bucket) per host. Needs root and iproute2 (``ip``, ``tc``) and util-linux
+(``unshare``, ``nsenter``); :func:`available` says why not when they are
 missing.
 
 Everything created (namespaces, veths, the bridge, processes) is removed by
@@ -16,6 +17,10 @@ carry a random suffix, so runs side by side never collide.
     with SimulatedHosts(2) as hosts:
         p = hosts.start(0, ["python", "-c", "import socket; print(socket.gethostname())"])
 
+A process already running can become one of a host's instead: :meth:`Host.enter`
+(``hosts.host(i)`` is picklable), which is how
+:class:`~crossreplica.testing.WorkerPool` places its forked workers on hosts.
+
 From a shell: ``scripts/hosts N [--rate R] [--debian-loopback] -- CMD ...`` runs CMD on
 each host, ``{addr0}``, ``{addr1}``, ... and ``{i}`` (the host's index) filled in.
 """
@@ -24,18 +29,22 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import ctypes
+import dataclasses
+import functools
 import os
 import secrets
-import shlex
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from shlex import quote as q
 from typing import Any
 
-__all__ = ["SimulatedHosts", "available"]
+__all__ = ["Host", "SimulatedHosts", "available"]
 
 #: The private /24 the hosts' addresses come from (host i is .(10 + i)).
 SUBNET = "10.213.{n}"
@@ -49,7 +58,7 @@ def available() -> str | None:
     """None when simulated hosts can be made here, else the reason they cannot."""
     if os.geteuid() != 0:
         return "simulated hosts need root (network namespaces)"
-    for tool in ("ip", "unshare", "tc"):
+    for tool in ("ip", "unshare", "nsenter", "tc"):
         if shutil.which(tool) is None:
             return f"simulated hosts need {tool!r} on PATH"
     name = f"crprobe{secrets.token_hex(3)}"
@@ -65,6 +74,11 @@ def available() -> str | None:
     return None
 
 
+#: unshare(2)'s flag for a thread's own root and working directory (Python 3.11's os has no
+#: unshare or setns: libc's, through ctypes)
+_CLONE_FS = 0x00000200
+
+
 def _under_tmp(cwd: Any) -> list[str]:
     """The paths a host must still see that lie under /tmp: this checkout of crossreplica, the
     Python environment and ``cwd`` (outermost only)."""
@@ -72,6 +86,66 @@ def _under_tmp(cwd: Any) -> list[str]:
     paths = {os.path.realpath(p) for p in (os.path.dirname(package_root), sys.prefix, cwd) if p}
     under = sorted(p for p in paths if p.startswith("/tmp/"))
     return [p for p in under if not any(p.startswith(q + "/") for q in under if q != p)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """One simulated host, as a process needs it to run there (picklable).
+
+    A host's namespaces (network, UTS, mount: its hostname, /dev/shm, /tmp and /etc/hosts)
+    are held by one idle process, ``anchor``; every process of the host joins them, so
+    processes of one host share its /dev/shm and /tmp as on a real machine."""
+
+    index: int
+    namespace: str  #: its network namespace (``ip netns``)
+    hostname: str
+    address: str  #: its address on the bridge
+    anchor: int  #: the process id holding the host's namespaces
+    machine_tmp: str  #: where the machine's /tmp stays reachable under the host's own
+    debian_hosts_file: str  #: /etc/hosts as Debian's installer writes it (own name -> 127.0.1.1)
+
+    def enter(self) -> None:
+        """Makes the calling thread, and the threads and processes it starts after, one of this
+        host's processes (as :meth:`SimulatedHosts.start` starts them). Namespaces are entered by
+        the calling thread only: call it before the process makes the threads or sockets that
+        must be on the host (e.g. first thing in a worker process)."""
+        cwd = os.getcwd()
+        libc = ctypes.CDLL(None, use_errno=True)
+        # A mount namespace is entered only by a thread whose root and working directory are its
+        # own: threads share them (torch's import starts one), so take a copy first.
+        steps = [("fs", lambda: libc.unshare(_CLONE_FS))]
+        for kind in ("net", "uts", "mnt"):
+            steps.append((kind, functools.partial(self._setns, libc, f"/proc/{self.anchor}/ns/{kind}")))
+        for kind, step in steps:
+            if step() != 0:
+                errno = ctypes.get_errno()
+                raise OSError(errno, f"cannot enter host {self.index}'s {kind} namespace (process "
+                                     f"{self.anchor}): {os.strerror(errno)}")
+        os.chdir(cwd if os.path.isdir(cwd) else "/")  # entering a mount namespace moves to its root
+
+    @staticmethod
+    def _setns(libc: ctypes.CDLL, path: str) -> int:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return int(libc.setns(fd, 0))
+        finally:
+            os.close(fd)
+
+    def command(self, argv: Sequence[str], cwd: Any = None, debian_loopback: bool = False) -> list[str]:
+        """``argv`` as a command that runs it on this host, in ``cwd`` (kept visible where it lies
+        under /tmp); ``debian_loopback``: in a mount namespace of its own whose /etc/hosts maps
+        the host's own name to 127.0.1.1, as Debian's installer writes it (/dev/shm and /tmp
+        stay the host's)."""
+        script = [f"{{ mountpoint -q {q(path)} || {{ mkdir -p {q(path)} && "
+                  f"mount --bind {q(self.machine_tmp + path[4:])} {q(path)}; }}; }}" for path in _under_tmp(cwd)]
+        unshare = []
+        if debian_loopback:
+            unshare = ["unshare", "--mount", "--propagation", "private"]
+            script.append(f"mount --bind {q(self.debian_hosts_file)} /etc/hosts")
+        if cwd is not None:
+            script.append(f"cd {q(os.path.realpath(cwd))}")
+        return ["nsenter", "--target", str(self.anchor), "--net", "--uts", "--mount", *unshare,
+                "sh", "-c", " && ".join([*script, 'exec "$@"']), "sh", *argv]
 
 
 class SimulatedHosts:
@@ -100,6 +174,7 @@ class SimulatedHosts:
         self._dir = tempfile.mkdtemp(prefix="crossreplica-hosts-",
                                      dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
         self._procs: list[subprocess.Popen] = []
+        self._hosts: list[Host] = []
         self._made: list[tuple[str, ...]] = []  # what close() removes, in reverse order
         atexit.register(self.close)  # the last resort: a with-block always closes first
         try:
@@ -136,6 +211,37 @@ class SimulatedHosts:
             if self.rate is not None:
                 _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
                      self.rate, "burst", "256kb", "latency", "50ms")
+        machine_tmp = os.path.join(self._dir, "machine-tmp")
+        os.makedirs(machine_tmp)
+        for i in range(self.n):
+            self._hosts.append(Host(i, self.namespaces[i], self.hostnames[i], self.addresses[i],
+                                    self._anchor(i, machine_tmp), machine_tmp, self._hosts_path(i, True)))
+
+    def _anchor(self, host: int, machine_tmp: str) -> int:
+        """Starts the idle process that holds ``host``'s UTS and mount namespaces, set up: its
+        hostname, /etc/hosts, and a /dev/shm and /tmp of its own (the machine's /tmp stays
+        reachable at ``machine_tmp``, and what runs from under it visible in place)."""
+        steps = [f"hostname {q(self.hostnames[host])}", "mount -t tmpfs tmpfs /dev/shm",
+                 f"mount --bind /tmp {q(machine_tmp)}", "mount -t tmpfs tmpfs /tmp"]
+        for path in _under_tmp(None):
+            steps += [f"mkdir -p {q(path)}", f"mount --bind {q(machine_tmp + path[4:])} {q(path)}"]
+        steps += [f"mount --bind {q(self._hosts_path(host, False))} /etc/hosts", "echo ready", "exec sleep infinity"]
+        errors = os.path.join(self._dir, f"anchor{host}.err")
+        ready, done = os.pipe()
+        with open(errors, "w") as err:
+            proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[host], "unshare", "--uts", "--mount",
+                                     "--propagation", "private", "sh", "-c", " && ".join(steps)],
+                                    stdout=done, stderr=err, start_new_session=True)
+        os.close(done)
+        self._procs.append(proc)
+        with os.fdopen(ready) as out:
+            answered = select.select([out], [], [], 30)[0]  # the set-up's commands take milliseconds
+            if not answered or out.readline().strip() != "ready":
+                proc.kill()
+                with open(errors) as err:
+                    why = err.read().strip() or "no answer within 30 s"
+                raise RuntimeError(f"host {host}'s namespaces could not be set up: {why}")
+        return proc.pid  # ip netns exec, unshare and sh each exec the next: sleep has this id
 
     def _hosts_path(self, host: int, debian_loopback: bool) -> str:
         return os.path.join(self._dir, f"hosts{host}{'-debian' if debian_loopback else ''}")
@@ -144,24 +250,20 @@ class SimulatedHosts:
 
     def start(self, host: int, argv: Sequence[str], env: dict[str, str] | None = None,
               debian_loopback: bool = False, **popen: Any) -> subprocess.Popen:
-        """Starts ``argv`` on ``host`` (its own hostname, /etc/hosts, /dev/shm and /tmp), in a
-        process group of its own; :meth:`close` kills whatever is still running."""
-        if not 0 <= host < self.n:
-            raise ValueError(f"host must be in [0, {self.n}); got {host!r}")
-        # The host's own /tmp hides the machine's; what the command runs from (this checkout, the
-        # Python environment, its working directory) stays visible where it lies under /tmp.
-        old = os.path.join(self._dir, "machine-tmp")
-        os.makedirs(old, exist_ok=True)
-        keep = "".join(f" && mkdir -p {shlex.quote(path)} && mount --bind {shlex.quote(old + path[4:])} "
-                       f"{shlex.quote(path)}" for path in _under_tmp(popen.get("cwd")))
-        script = (f"hostname {self.hostnames[host]} && mount -t tmpfs tmpfs /dev/shm && "
-                  f"mount --bind /tmp {shlex.quote(old)} && mount -t tmpfs tmpfs /tmp{keep} && "
-                  f"mount --bind {self._hosts_path(host, debian_loopback)} /etc/hosts && exec \"$@\"")
-        cmd = ["ip", "netns", "exec", self.namespaces[host], "unshare", "--uts", "--mount",
-               "--propagation", "private", "sh", "-c", script, "sh", *argv]
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True, **popen)
+        """Starts ``argv`` on ``host`` (its hostname, /etc/hosts, /dev/shm and /tmp, shared by
+        every process of the host), in a process group of its own; :meth:`close` kills whatever
+        is still running. ``debian_loopback``: the command's /etc/hosts maps the host's own name
+        to 127.0.1.1."""
+        proc = subprocess.Popen(self.host(host).command(argv, popen.get("cwd"), debian_loopback), env=env,
+                                start_new_session=True, **popen)
         self._procs.append(proc)
         return proc
+
+    def host(self, host: int) -> Host:
+        """Host ``host``: what a process started elsewhere needs to join it (:meth:`Host.enter`)."""
+        if isinstance(host, bool) or not isinstance(host, int) or not 0 <= host < self.n:
+            raise ValueError(f"host must be an int in [0, {self.n}); got {host!r}")
+        return self._hosts[host]
 
     def link_down(self, host: int) -> None:
         """Cuts ``host``'s link: its packets are dropped, nothing is reset."""

@@ -3,7 +3,8 @@
 A :class:`WorkerPool` starts ``num_workers`` processes through torch's elastic
 launcher (``torch.distributed.elastic.multiprocessing.start_processes``), each
 with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-GROUP_RANK, ROLE_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT an OS-chosen free
+GROUP_RANK, ROLE_RANK, MASTER_ADDR=127.0.0.1 or, with ``hosts``, host 0's address on
+simulated hosts, MASTER_PORT an OS-chosen free
 port, and this process's ``CROSSREPLICA_*`` settings) and its stdout/stderr in
 the launcher's log files; with ``log_level`` each worker logs crossreplica's
 records to its stderr (:meth:`WorkerPool.logs` shows them). Each worker builds
@@ -60,6 +61,8 @@ from crossreplica.testing.worker import check_device_type, function_spec, serve
 
 if TYPE_CHECKING:
     from typing_extensions import Self
+
+    from crossreplica.testing.hosts import SimulatedHosts
 
 #: The collective timeout of a test job, in seconds (short, so a broken test fails fast; the
 #: library's own default is ``CROSSREPLICA_TIMEOUT``, 300 s).
@@ -168,11 +171,16 @@ class WorkerPool:
             and the strategy's default devices (each worker's GPUs its own); else gloo, worker
             ``w``'s replicas on the GPUs from ``cuda:w * replicas_per_worker`` round-robin
             (:attr:`backend` says which).
+        hosts: place the workers on these simulated hosts (:mod:`crossreplica.testing.hosts`),
+            ``num_workers / hosts.n`` consecutive ranks on each, with torchrun's per-host
+            environment (LOCAL_RANK, GROUP_RANK, MASTER_ADDR host 0's address); None
+            (default): every worker on this host.
     """
 
     def __init__(self, num_workers: int, replicas_per_worker: int = 1, *,
                  timeout_seconds: float = DEFAULT_TEST_TIMEOUT, check_collectives: bool = False,
-                 log_level: int | str | None = None, device: str = "cpu"):
+                 log_level: int | str | None = None, device: str = "cpu",
+                 hosts: SimulatedHosts | None = None):
         for name, value in (("num_workers", num_workers), ("replicas_per_worker", replicas_per_worker)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int; got {value!r}")
@@ -190,6 +198,10 @@ class WorkerPool:
         self.device = check_device_type(device)
         # NCCL runs one process per GPU; with fewer GPUs the workers share them through gloo.
         self.backend = "nccl" if device == "cuda" and num_workers <= torch.cuda.device_count() else "gloo"
+        if hosts is not None and num_workers % hosts.n:
+            raise ValueError(f"num_workers must be a multiple of the {hosts.n} simulated hosts; "
+                             f"got {num_workers!r}")
+        self.hosts = hosts
         self._workers: list[_Worker] = []
         self._logroot: str | None = None
 
@@ -206,7 +218,8 @@ class WorkerPool:
     def __repr__(self) -> str:
         return (f"WorkerPool(num_workers={self.num_workers}, replicas_per_worker={self.replicas_per_worker}, "
                 f"timeout_seconds={self.timeout_seconds:g}, check_collectives={self.check_collectives}, "
-                f"device={self.device!r}, backend={self.backend!r}, alive={self.alive})")
+                f"device={self.device!r}, backend={self.backend!r}, "
+                f"hosts={self.hosts.n if self.hosts else 1}, alive={self.alive})")
 
     # ------------------------------------------------------------------ life cycle
 
@@ -218,8 +231,9 @@ class WorkerPool:
         self._logroot = logroot = tempfile.mkdtemp(prefix="crossreplica-workers-")
         port = free_port()
         self._secret = secrets.token_hex(16)  # the job secret every worker of this pool shares
-        _log.info("starting worker processes: %d workers x %d replicas, MASTER_ADDR=127.0.0.1 MASTER_PORT=%d, "
-                  "timeout %gs", self.num_workers, self.replicas_per_worker, port, self.timeout_seconds)
+        _log.info("starting worker processes: %d workers x %d replicas on %d host(s), MASTER_PORT=%d, timeout %gs",
+                  self.num_workers, self.replicas_per_worker, self.hosts.n if self.hosts else 1, port,
+                  self.timeout_seconds)
         try:
             with _one_omp_thread():  # read when the forkserver imports torch
                 for rank in range(self.num_workers):
@@ -238,18 +252,22 @@ class WorkerPool:
     def _launch(self, rank: int, port: int, logdir: str) -> _Worker:
         # This process's crossreplica settings reach the workers, as torchrun's environment does.
         env = {k: v for k, v in os.environ.items() if k.startswith("CROSSREPLICA_")}
-        env |= {"RANK": str(rank), "WORLD_SIZE": str(self.num_workers), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(self.num_workers), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
-               "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(self.num_workers),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "TORCHELASTIC_RUN_ID": f"crossreplica-{port}",  # one run
-               "CROSSREPLICA_JOB_SECRET": self._secret}  # the store's keys are not guessable
+        hosts = self.hosts.n if self.hosts else 1
+        per_host = self.num_workers // hosts
+        host = self.hosts.host(rank // per_host) if self.hosts else None
+        env |= {"RANK": str(rank), "WORLD_SIZE": str(self.num_workers), "LOCAL_RANK": str(rank % per_host),
+                "LOCAL_WORLD_SIZE": str(per_host), "GROUP_RANK": str(rank // per_host),
+                "GROUP_WORLD_SIZE": str(hosts), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(self.num_workers),
+                "MASTER_ADDR": self.hosts.addresses[0] if self.hosts else "127.0.0.1", "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": "1",
+                "TORCHELASTIC_RUN_ID": f"crossreplica-{port}",  # one run
+                "CROSSREPLICA_JOB_SECRET": self._secret}  # the store's keys are not guessable
         mine, theirs = multiprocessing.Pipe()
         try:
             process = start_processes(
                 name=f"crossreplica-worker-{rank}", entrypoint=serve,
                 args={0: (theirs, self.replicas_per_worker, self.timeout_seconds, self.check_collectives,
-                          list(sys.path), self.log_level, self.device, self.backend)},
+                          list(sys.path), self.log_level, self.device, self.backend, host)},
                 envs={0: env}, logs_specs=DefaultLogsSpecs(log_dir=logdir, redirects=Std.ALL),
                 start_method="forkserver")
         except BaseException:

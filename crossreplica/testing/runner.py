@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import crossreplica as cr
+from crossreplica.testing.hosts import SimulatedHosts
 from crossreplica.testing.pool import (
     DEFAULT_TEST_TIMEOUT,
     Outcome,
@@ -73,7 +74,7 @@ def _num_replicas(num_replicas: int | None, per_replica_args: Sequence[Sequence[
 def run_replicas(fn: Callable[..., Any], *per_replica_args: Sequence[Any], num_replicas: int | None = None,
                  engine: str = "threads", replicas_per_worker: int | None = None,
                  timeout_seconds: float = DEFAULT_TEST_TIMEOUT, check_collectives: bool = False,
-                 device: str = "cpu") -> list[Any]:
+                 device: str = "cpu", hosts: SimulatedHosts | None = None) -> list[Any]:
     """Per-replica results of ``fn`` on ``num_replicas`` replicas of ``engine``.
 
     Args:
@@ -89,6 +90,8 @@ def run_replicas(fn: Callable[..., Any], *per_replica_args: Sequence[Any], num_r
         device: ``"cpu"`` (default, also where GPUs are visible, so results are the same
             everywhere) or ``"cuda"``: replica ``i`` on ``cuda:i % gpus``; worker processes
             then use NCCL if each has a GPU of its own, else gloo.
+        hosts: processes only: the workers spread over these simulated hosts
+            (:class:`~crossreplica.testing.WorkerPool`'s ``hosts``).
 
     Raises:
         the replica's exception (see the module docstring); WorkerPoolError when a
@@ -97,16 +100,19 @@ def run_replicas(fn: Callable[..., Any], *per_replica_args: Sequence[Any], num_r
     n = _num_replicas(num_replicas, per_replica_args)
     check_device_type(device)
     if engine == "threads":
+        if hosts is not None:
+            raise ValueError(f"hosts needs engine='processes' (threads run in this process); got engine={engine!r}")
         return _run_threads(fn, n, per_replica_args, timeout_seconds, device)
     if engine == "processes":
-        return run_pooled(fn, n, per_replica_args, replicas_per_worker, timeout_seconds, check_collectives, device)
+        return run_pooled(fn, n, per_replica_args, replicas_per_worker, timeout_seconds, check_collectives, device,
+                          hosts)
     raise ValueError(f"engine must be one of {list(ENGINES)}; got {engine!r}")
 
 
 def launch(fn: Callable[..., Any], *per_replica_args: Sequence[Any], num_replicas: int | None = None,
            replicas_per_worker: int | None = None, mode: str = "replica",
            timeout_seconds: float = DEFAULT_TEST_TIMEOUT, check_collectives: bool = False,
-           device: str = "cpu") -> Outcome:
+           device: str = "cpu", hosts: SimulatedHosts | None = None) -> Outcome:
     """Runs one job on fresh worker processes and reports every worker's outcome; never
     raises for a worker's failure. For tests of failure behaviour: nothing kills the
     other workers when one fails, so each reports what it saw.
@@ -116,18 +122,19 @@ def launch(fn: Callable[..., Any], *per_replica_args: Sequence[Any], num_replica
     n = _num_replicas(num_replicas, per_replica_args)
     workers, rpw = resolve_layout(n, replicas_per_worker)
     with WorkerPool(workers, rpw, timeout_seconds=timeout_seconds, check_collectives=check_collectives,
-                    device=device) as pool:
+                    device=device, hosts=hosts) as pool:
         return pool.run(fn, *per_replica_args, mode=mode)
 
 
 def run_workers(main: Callable[..., Any], num_workers: int, replicas_per_worker: int = 1, *,
                 args: Sequence[Any] = (), timeout_seconds: float = DEFAULT_TEST_TIMEOUT,
-                check_collectives: bool = False, device: str = "cpu") -> list[Any]:
+                check_collectives: bool = False, device: str = "cpu",
+                hosts: SimulatedHosts | None = None) -> list[Any]:
     """Per-worker results of ``main(strategy, *args)``, run once per worker in cross-replica
     context on fresh worker processes (it may leave its worker in any state); ``args``
-    (picklable) are the same on every worker."""
+    (picklable) are the same on every worker; ``hosts``: the workers spread over them."""
     with WorkerPool(num_workers, replicas_per_worker, timeout_seconds=timeout_seconds,
-                    check_collectives=check_collectives, device=device) as pool:
+                    check_collectives=check_collectives, device=device, hosts=hosts) as pool:
         out = pool.run(main, mode="main", main_args=args)
     if not out.ok:
         raise_failed(out, f"run_workers({main.__qualname__})", timeout_seconds)
@@ -136,13 +143,14 @@ def run_workers(main: Callable[..., Any], num_workers: int, replicas_per_worker:
 
 # ---------------------------------------------------------------------- persistent pools
 
-_pools: dict[tuple[int, int, float, bool, str], WorkerPool] = {}
+_pools: dict[tuple[int, int, float, bool, str, tuple[str, ...]], WorkerPool] = {}
 
 
 def pooled(num_workers: int, replicas_per_worker: int, timeout_seconds: float = DEFAULT_TEST_TIMEOUT,
-           check_collectives: bool = False, device: str = "cpu") -> WorkerPool:
+           check_collectives: bool = False, device: str = "cpu", hosts: SimulatedHosts | None = None) -> WorkerPool:
     """The running pool of this layout and options, started on first use or after a failure."""
-    key = (num_workers, replicas_per_worker, float(timeout_seconds), bool(check_collectives), device)
+    key = (num_workers, replicas_per_worker, float(timeout_seconds), bool(check_collectives), device,
+           tuple(hosts.namespaces) if hosts else ())
     pool = _pools.get(key)
     if pool is not None and not pool.alive:
         _log.warning("a worker of %s exited between jobs; starting a new pool", repr(pool))
@@ -150,19 +158,20 @@ def pooled(num_workers: int, replicas_per_worker: int, timeout_seconds: float = 
         pool = None
     if pool is None:
         pool = WorkerPool(num_workers, replicas_per_worker, timeout_seconds=timeout_seconds,
-                          check_collectives=check_collectives, device=device).start()
+                          check_collectives=check_collectives, device=device, hosts=hosts).start()
         _pools[key] = pool
     return pool
 
 
 def run_pooled(fn: Callable[..., Any], num_replicas: int, per_replica_args: Sequence[Sequence[Any]],
                replicas_per_worker: int | None = None, timeout_seconds: float = DEFAULT_TEST_TIMEOUT,
-               check_collectives: bool = False, device: str = "cpu") -> list[Any]:
+               check_collectives: bool = False, device: str = "cpu",
+               hosts: SimulatedHosts | None = None) -> list[Any]:
     """Per-replica results of ``fn`` on a persistent pool; a failed job's exception is raised here."""
     workers, rpw = resolve_layout(num_replicas, replicas_per_worker)
     check_per_replica_args(num_replicas, per_replica_args)
     function_spec(fn)  # a function workers cannot import fails here, before any pool starts
-    pool = pooled(workers, rpw, timeout_seconds, check_collectives, device)
+    pool = pooled(workers, rpw, timeout_seconds, check_collectives, device, hosts)
     try:
         out = pool.run(fn, *per_replica_args)
     except BaseException:
@@ -191,11 +200,11 @@ def _discard(pool: WorkerPool) -> None:
         del _pools[key]
 
 
-def shutdown_pools() -> None:
-    """Closes every persistent pool (a test session's end; also run at interpreter exit)."""
-    while _pools:
-        _, pool = _pools.popitem()
-        pool.close()
+def shutdown_pools(hosts: SimulatedHosts | None = None) -> None:
+    """Closes every persistent pool (a test session's end; also run at interpreter exit), or
+    only those on ``hosts`` (before they are removed)."""
+    for key in [k for k, p in _pools.items() if hosts is None or p.hosts is hosts]:
+        _pools.pop(key).close()
 
 
 atexit.register(shutdown_pools)

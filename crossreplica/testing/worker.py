@@ -36,6 +36,7 @@ import torch
 
 import crossreplica as cr
 from crossreplica.logs import LOGGER_NAME
+from crossreplica.testing.hosts import Host
 from crossreplica.testing.remote import capture
 
 
@@ -118,8 +119,9 @@ def replica_devices(device: str, first: int, count: int) -> list[str]:
 
 def serve(conn: Connection, replicas_per_worker: int, timeout_seconds: float, check_collectives: bool,
           path: list[str], log_level: int | str | None = None, device: str = "cpu",
-          backend: str = "gloo") -> None:
-    """Entry point of a worker process (see the module docstring); never returns."""
+          backend: str = "gloo", host: Host | None = None) -> None:
+    """Entry point of a worker process (see the module docstring); never returns. ``host``: the
+    simulated host it runs on, entered first."""
     try:
         os.setsid()  # its own process group, so the pool's kill reaches whatever it starts
     except OSError:
@@ -128,6 +130,8 @@ def serve(conn: Connection, replicas_per_worker: int, timeout_seconds: float, ch
     if log_level is not None:
         _log_to_stderr(log_level)
     try:
+        if host is not None:
+            host.enter()
         _serve(conn, replicas_per_worker, timeout_seconds, check_collectives, path, device, backend)
     except BaseException:  # noqa: BLE001 - the pool sees the pipe close and reads the log
         traceback.print_exc()

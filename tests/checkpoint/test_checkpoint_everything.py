@@ -4,6 +4,7 @@ with cr.load(into=...), resumed on the same and on other replica / worker counts
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -27,13 +28,16 @@ def _assert_same(a: dict, b: dict, bitwise: bool = True) -> None:
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-@pytest.fixture(params=["threads", pytest.param("processes", marks=pytest.mark.multiprocess)])
+@pytest.fixture(params=["threads", pytest.param("processes", marks=pytest.mark.multiprocess),
+                        pytest.param("2-hosts", marks=[pytest.mark.multiprocess, pytest.mark.hosts])])
 def engine(request):
+    """Threads; processes on this host; processes on 2 simulated hosts, each with its own
+    /tmp (no shared file system: every worker saves and loads what it needs on its host)."""
     return request.param
 
 
 @pytest.mark.parametrize("replicas", [1, 2, 4])
-def test_resume_continues_bitwise_like_the_uninterrupted_run(tmp_path, engine, replicas):
+def test_resume_continues_bitwise_like_the_uninterrupted_run(tmp_path, engine, replicas, request):
     path = str(tmp_path / "ck.pt")
     if engine == "threads":
         straight, resumed = job.job_uninterrupted_and_resumed(cr.MirroredStrategy(replicas), path, TOTAL, STOP)
@@ -41,8 +45,11 @@ def test_resume_continues_bitwise_like_the_uninterrupted_run(tmp_path, engine, r
         if replicas == 1:
             pytest.skip("one replica is one process: the threads engine covers it")
         from crossreplica.testing import run_workers
+        hosts = request.getfixturevalue("simulated_hosts") if engine == "2-hosts" else None
         straight, resumed = run_workers(job.job_uninterrupted_and_resumed, 2, replicas // 2,
-                                        args=(path, TOTAL, STOP))[0]
+                                        args=(path, TOTAL, STOP), hosts=hosts)[0]
+        # on hosts the files lie in each host's own /tmp: nothing shared, nothing here
+        assert os.path.exists(path) == (hosts is None)
     _assert_same(straight, resumed)  # bitwise: the restore missed nothing
     _assert_same(straight, job.reference([replicas] * TOTAL), bitwise=False)
 

@@ -417,14 +417,14 @@ def _worker_train(strategy, model_name, optimizer, loader):
 @pytest.mark.parametrize("model_name,optimizer,loader", [("mlp", "adamw", True), ("encoder", "sgd", False)],
                          ids=["mlp-dataloader", "encoder-list"])
 @pytest.mark.parametrize("workers,per_worker", [(2, 1), (2, 2)], ids=["2x1", "2x2"])
-def test_bitwise_on_processes_and_hierarchical(model_name, optimizer, loader, workers, per_worker):
+def test_bitwise_on_processes_and_hierarchical(model_name, optimizer, loader, workers, per_worker, hosts):
     from crossreplica.testing import run_workers
 
     # 50 rows in 24 micro-batches: uneven (3 and 2 rows), and uneven over the workers too
     # (a DataLoader draws its seed from the caller's generator: the reference reads one too)
     reference = _train(cr.OneDeviceStrategy(layout_invariant=LAYOUT), model_name, optimizer, steps=3, batch=50,
                        loader=loader)
-    for got in run_workers(_worker_train, workers, per_worker, args=(model_name, optimizer, loader)):
+    for got in run_workers(_worker_train, workers, per_worker, args=(model_name, optimizer, loader), hosts=hosts):
         _assert_same(reference, got)
 
 

@@ -4,12 +4,15 @@ One replica function exercises many collectives on worker processes
 (crossreplica.testing) and the test compares each against a reference
 computed here. Layouts: 2 workers x 1 replica (the flat engine) and 2 workers x
 2 replicas (the hierarchical engine: local reduction, then one cross-process
-collective per worker).
+collective per worker); each on this host and across 2 simulated hosts (the
+``hosts`` fixture), where no same-host shortcut (shared memory, loopback)
+reaches the other host.
 """
 
 from __future__ import annotations
 
 import functools
+import socket
 
 import pytest
 import torch
@@ -100,11 +103,11 @@ def _check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 
 @pytest.mark.parametrize("layout", CHECKED_LAYOUTS)
-def test_collectives_match_plain_torch(layout):
+def test_collectives_match_plain_torch(layout, hosts):
     n, rpw, check = layout
     inp = _inputs(n)
     res = run_replicas(collective_suite, inp["x"], inp["xi"], inp["xb"], inp["ragged"], engine="processes",
-                       replicas_per_worker=rpw, check_collectives=check)
+                       replicas_per_worker=rpw, check_collectives=check, hosts=hosts)
     x, xi, xb, rag = inp["x"], inp["xi"], inp["xb"], inp["ragged"]
     strided = [list(range(s, n, 2)) for s in range(2)]
     contig = [list(range(s, s + 2)) for s in range(0, n, 2)]
@@ -171,7 +174,7 @@ def strategy_main(strategy: cr.Strategy) -> dict:
 
     doubled, ids = strategy.run(fn, (per,))
     out = {
-        "rank": rank, "local": local, "n": strategy.num_replicas_in_sync,
+        "rank": rank, "local": local, "n": strategy.num_replicas_in_sync, "host": socket.gethostname(),
         "local_results": [t.tolist() for t in strategy.experimental_local_results(doubled)],
         "ids": list(strategy.experimental_local_results(ids)),
         "sum": strategy.reduce("sum", doubled).tolist(),
@@ -199,9 +202,12 @@ def strategy_main(strategy: cr.Strategy) -> dict:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_strategy_api_across_workers(layout):
+def test_strategy_api_across_workers(layout, hosts):
     n, rpw = layout
-    res = run_workers(strategy_main, n // rpw, replicas_per_worker=rpw)
+    res = run_workers(strategy_main, n // rpw, replicas_per_worker=rpw, hosts=hosts)
+    per_host = len(res) // (hosts.n if hosts else 1)
+    assert [out["host"] for out in res] == [hosts.hostnames[w // per_host] if hosts else socket.gethostname()
+                                            for w in range(len(res))]
     for w, out in enumerate(res):
         local = list(range(w * rpw, (w + 1) * rpw))
         assert out["rank"] == w and list(out["local"]) == local and out["n"] == n
@@ -239,15 +245,13 @@ def _per_row_labels(strategy):
 
 
 @pytest.mark.parametrize("layout", [(2, 1), (2, 2)], ids=["2x1", "2x2"])
-def test_per_row_labels_split_with_the_batch_across_workers(layout):
+def test_per_row_labels_split_with_the_batch_across_workers(layout, hosts):
     """Per-row lists travel with their rows on every worker, as in one process."""
-    from crossreplica.testing import run_workers
-
     workers, per_worker = layout
     n = workers * per_worker
     sizes = [5 // n + (1 if i < 5 % n else 0) for i in range(n)]
     starts = [sum(sizes[:i]) for i in range(n)]
-    got = [part for worker in run_workers(_per_row_labels, workers, per_worker) for part in worker]
+    got = [part for worker in run_workers(_per_row_labels, workers, per_worker, hosts=hosts) for part in worker]
     assert len(got) == n
     for r, (sums, labels) in enumerate(got):
         rows = range(starts[r], starts[r] + sizes[r])

@@ -1,6 +1,7 @@
 """Failure behaviour across processes: a worker that raises, dies, hangs or calls a
 different collective makes every other worker fail promptly with an error that
-names the collective and the culprit, never a silent hang.
+names the collective and the culprit, never a silent hang; on this host and across
+2 simulated hosts (the ``hosts`` fixture).
 
 ``crossreplica.testing.launch`` runs each job on fresh workers and reports every
 worker's outcome: nothing kills the survivors when one worker fails or exits,
@@ -33,9 +34,9 @@ def raise_on_last(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n,rpw", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
-def test_raising_worker_releases_the_others(n, rpw):
+def test_raising_worker_releases_the_others(n, rpw, hosts):
     out = launch(raise_on_last, [torch.ones(3)] * n, num_replicas=n, replicas_per_worker=rpw,
-                 timeout_seconds=COLLECTIVE_TIMEOUT)
+                 timeout_seconds=COLLECTIVE_TIMEOUT, hosts=hosts)
     assert set(out.failures) == {0, 1}, out.log[-3000:]
     culprit = out.failures[1]
     assert culprit.is_instance("ValueError") and "boom from the last replica" in culprit.message
@@ -53,8 +54,8 @@ def die_on_rank1(x: torch.Tensor) -> torch.Tensor:
     return cr.all_gather(y, 0)
 
 
-def test_dead_worker_fails_the_others_promptly():
-    out = launch(die_on_rank1, [torch.ones(3)] * 2, timeout_seconds=COLLECTIVE_TIMEOUT)
+def test_dead_worker_fails_the_others_promptly(hosts):
+    out = launch(die_on_rank1, [torch.ones(3)] * 2, timeout_seconds=COLLECTIVE_TIMEOUT, hosts=hosts)
     assert out.exitcodes[1] == 3
     survivor = out.failures[0]
     assert survivor.is_instance("WorkerFailedError"), survivor
@@ -73,14 +74,14 @@ def lose_the_last_two(x: torch.Tensor, how: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("how", ["kill", "freeze"])
-def test_lost_workers_among_four_are_all_named_within_seconds(monkeypatch, how):
+def test_lost_workers_among_four_are_all_named_within_seconds(monkeypatch, how, hosts):
     """With more than two workers the survivors may hold no broken connection to the lost
     ones (or none breaks: a frozen worker), so the heartbeats name them: every lost rank,
     in seconds rather than at the timeout. A frozen worker, once thawed, stops too (no
     second job goes on without the others)."""
     monkeypatch.setenv("CROSSREPLICA_SHARED_MEMORY", "0")  # gloo, as between hosts
     out = launch(lose_the_last_two, [torch.ones(3)] * 4, [how] * 4, replicas_per_worker=1,
-                 timeout_seconds=COLLECTIVE_TIMEOUT)
+                 timeout_seconds=COLLECTIVE_TIMEOUT, hosts=hosts)
     lost = [2, 3] if how == "kill" else [2]
     survivors = [0, 1] if how == "kill" else [0, 1, 3]
     for rank in survivors:
@@ -115,13 +116,13 @@ def freeze_in_the_chain(x: torch.Tensor) -> torch.Tensor:
     return cr.all_reduce(z, "max")  # a thawed worker whose transfers all arrived stops here
 
 
-def test_a_worker_frozen_in_the_middle_of_a_transfer_is_named_within_seconds(monkeypatch):
+def test_a_worker_frozen_in_the_middle_of_a_transfer_is_named_within_seconds(monkeypatch, hosts):
     """The survivors wait on point-to-point transfers from the frozen worker (gloo cannot wait
     on them in slices); they watch the heartbeats meanwhile, so they name it in seconds
     rather than at the timeout."""
     monkeypatch.setenv("CROSSREPLICA_SHARED_MEMORY", "0")  # gloo, as between hosts
     out = launch(freeze_in_the_chain, [torch.ones(3)] * 4, replicas_per_worker=1,
-                 timeout_seconds=COLLECTIVE_TIMEOUT)
+                 timeout_seconds=COLLECTIVE_TIMEOUT, hosts=hosts)
     for rank in (0, 1, 3):
         err = out.failures[rank]
         assert "worker ranks [2]" in err.message and "stopped answering" in err.message, err
@@ -138,8 +139,8 @@ def hang_on_rank1(x: torch.Tensor) -> torch.Tensor:
     return cr.all_reduce(y, "max")
 
 
-def test_missing_worker_times_out_naming_it():
-    out = launch(hang_on_rank1, [torch.ones(3)] * 2, timeout_seconds=2.0)
+def test_missing_worker_times_out_naming_it(hosts):
+    out = launch(hang_on_rank1, [torch.ones(3)] * 2, timeout_seconds=2.0, hosts=hosts)
     survivor = out.failures[0]
     assert survivor.is_instance("CollectiveTimeoutError"), survivor
     assert "all_reduce(op=max" in survivor.message and "worker ranks [1]" in survivor.message
@@ -152,9 +153,9 @@ def mismatched_shapes(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n,rpw", [(4, 2)], ids=["2x2"])
-def test_mismatched_shapes_with_checking(n, rpw):
+def test_mismatched_shapes_with_checking(n, rpw, hosts):
     out = launch(mismatched_shapes, [torch.ones(2)] * n, num_replicas=n, replicas_per_worker=rpw,
-                 timeout_seconds=COLLECTIVE_TIMEOUT, check_collectives=True)
+                 timeout_seconds=COLLECTIVE_TIMEOUT, check_collectives=True, hosts=hosts)
     assert set(out.failures) == {0, 1}, out.log[-3000:]
     for err in out.failures.values():
         assert err.is_instance("CollectiveMismatchError"), err
@@ -173,9 +174,9 @@ def fewer_calls_on_rank1(x: torch.Tensor) -> torch.Tensor:
     return cr.all_gather(y, 0)
 
 
-def test_different_number_of_calls_with_checking():
+def test_different_number_of_calls_with_checking(hosts):
     out = launch(fewer_calls_on_rank1, [torch.ones(2)] * 2, timeout_seconds=COLLECTIVE_TIMEOUT,
-                 check_collectives=True)
+                 check_collectives=True, hosts=hosts)
     assert set(out.failures) == {0, 1}, out.log[-3000:]
     for err in out.failures.values():
         assert err.is_instance("CollectiveMismatchError"), err

@@ -144,3 +144,43 @@ def test_bad_arguments_say_what_was_expected():
         crt.WorkerPool(0)
     with pytest.raises(ValueError, match="fn must be a function defined at module level"):
         crt.run_replicas(lambda x: x, [1, 2], engine="processes")
+
+
+def _host_view(strategy, tag):
+    """What a worker sees of its host: name, environment, and which of the workers' marker
+    files its /dev/shm and /tmp hold once every worker has written its own."""
+    import socket
+
+    rank = strategy.extended.worker_rank
+    for d in ("/dev/shm", "/tmp"):
+        with open(os.path.join(d, f"{tag}-{rank}"), "w"):
+            pass
+    strategy.extended.barrier()
+    seen = {d: sorted(f for f in os.listdir(d) if f.startswith(tag)) for d in ("/dev/shm", "/tmp")}
+    env = {k: os.environ[k] for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                                      "MASTER_ADDR")}
+    return socket.gethostname(), env, seen
+
+
+@pytest.mark.multiprocess
+@pytest.mark.hosts
+def test_workers_on_simulated_hosts_see_their_own_host(simulated_hosts):
+    hosts, tag = simulated_hosts, f"crt-{os.getpid()}"
+    got = crt.run_workers(_host_view, 4, args=(tag,), hosts=hosts)
+    for rank, (name, env, seen) in enumerate(got):
+        host, local = divmod(rank, 2)
+        assert name == hosts.hostnames[host]
+        assert env == {"LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(host),
+                       "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": hosts.addresses[0]}
+        assert seen == {d: [f"{tag}-{2 * host}", f"{tag}-{2 * host + 1}"] for d in ("/dev/shm", "/tmp")}
+    assert not [f for d in ("/dev/shm", "/tmp") for f in os.listdir(d) if f.startswith(tag)]  # none here
+
+
+@pytest.mark.hosts
+def test_bad_host_arguments_say_what_was_expected(simulated_hosts):
+    with pytest.raises(ValueError, match="hosts needs engine='processes'"):
+        crt.run_replicas(_sum, [torch.ones(1)] * 2, hosts=simulated_hosts)
+    with pytest.raises(ValueError, match="num_workers must be a multiple of the 2 simulated hosts; got 3"):
+        crt.WorkerPool(3, hosts=simulated_hosts)
+    with pytest.raises(ValueError, match="host must be an int in \\[0, 2\\); got 2"):
+        simulated_hosts.host(2)
