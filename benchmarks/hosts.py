@@ -1,6 +1,7 @@
 """Data-parallel training step across simulated hosts with a limited link: crossreplica vs DDP.
 
     sudo PYTHONPATH=$PWD python benchmarks/hosts.py [--rates 1gbit 200mbit] [--per-host 1 2] [--steps 12]
+    sudo PYTHONPATH=$PWD python benchmarks/hosts.py --rates 1gbit --per-host 2 --parts
 
 Two simulated hosts (``crossreplica.testing.hosts``: network namespaces on a
 bridge, each host's link limited by a ``tc`` token bucket, both ways), 1 or 2
@@ -15,7 +16,8 @@ it replaces (``ordered.py``), and the backend's ring (``ordered_reductions=False
 not deterministic across layouts). Medians over the steps after warm-up, and
 the bytes each step sent across hosts (the hosts' ``eth0`` transmit counters,
 ``/proc/net/dev``, summed over both hosts; the store's and barrier's small
-messages included). Needs root (``crossreplica.testing.hosts.available``).
+messages included). ``--parts`` times what the step is made of instead.
+Needs root (``crossreplica.testing.hosts.available``).
 """
 
 from __future__ import annotations
@@ -146,6 +148,60 @@ def worker(steps: int, width: int, rows: int) -> None:
     strategy.close()
 
 
+def parts(width: int, rows: int, reps: int = 7) -> None:
+    """``--parts``: what a 2 x 2 step is made of, each part timed on every worker at once:
+    forward and backward, the link's floor (each host's owners exchanging their slices with
+    the other host's), the chain alone and DDP's ring alone, on the step's gradient size."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import crossreplica as cr
+    from crossreplica.engines.torch_dist import chain
+
+    strategy = cr.MultiWorkerMirroredStrategy(timeout_seconds=600)
+    torch.set_num_threads(1)
+    rank, world, engine = dist.get_rank(), dist.get_world_size(), strategy.extended.engine
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(256, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+    x, y = torch.randn(rows, 256), torch.randint(0, 10, (rows,))
+    vector = torch.randn(sum(p.numel() for p in net.parameters()))
+    hosts = chain.host_layout(engine)
+    per_host = len(hosts[0])
+    half = vector[: vector.numel() // per_host]
+    peer = (rank + per_host) % world  # the same owner on the other host
+    inbox = torch.empty_like(half)
+
+    def backward() -> None:
+        net.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+
+    def link() -> None:
+        sends = [dist.isend(half, peer), dist.irecv(inbox, peer)]
+        for work in sends:
+            work.wait()
+
+    timed = {"forward + backward": backward,
+             f"the link's floor: {half.numel() * 4 / 2**20:.2f} MiB each way between owners, all at once": link,
+             f"the chain alone ({vector.numel() * 4 / 2**20:.1f} MiB)":
+                 lambda: chain.reduce_vectors(engine, hosts, cr.ReduceOp.SUM, [vector]),
+             "DDP's ring alone (gloo all_reduce)": lambda: dist.all_reduce(vector.clone())}
+    medians = {}
+    for name, fn in timed.items():
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        medians[name] = statistics.median(times)
+    if rank == 0:
+        print(f"{world} workers on {len(hosts)} hosts, medians of {reps} on rank 0\n| part | time |\n|---|---|")
+        for name, t in medians.items():
+            print(f"| {name} | {t * 1e3:.1f} ms |", flush=True)
+    strategy.close()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rates", nargs="+", default=["1gbit", "200mbit"], help="link rates (tc), e.g. 1gbit")
@@ -153,10 +209,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--width", type=int, default=2200, help="MLP width (2200: ~20 MiB of gradients)")
     p.add_argument("--rows", type=int, default=16, help="rows per replica and step")
+    p.add_argument("--parts", action="store_true",
+                   help="time the parts of the step instead (forward and backward, the link, the chain, the ring)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
-        worker(a.steps, a.width, a.rows)
+        if a.parts:
+            parts(a.width, a.rows)
+        else:
+            worker(a.steps, a.width, a.rows)
         return
     from crossreplica.testing.hosts import SimulatedHosts, available
 
@@ -175,7 +236,7 @@ def main() -> None:
                 job = {**env, "MASTER_ADDR": hosts.addresses[0], "MASTER_PORT": str(20000 + secrets.randbelow(20000)),
                        "WORLD_SIZE": str(2 * per_host)}
                 cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--steps", str(a.steps),
-                       "--width", str(a.width), "--rows", str(a.rows)]
+                       "--width", str(a.width), "--rows", str(a.rows), *(["--parts"] if a.parts else [])]
                 procs = [hosts.start(h, cmd, env={**job, "RANK": str(h * per_host + i), "LOCAL_RANK": str(i)},
                                      cwd=REPO, stdout=None if h == i == 0 else log, stderr=subprocess.STDOUT)
                          for h in range(2) for i in range(per_host)]
