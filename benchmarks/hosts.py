@@ -48,6 +48,16 @@ def tx_bytes() -> int:
     return 0
 
 
+def exit_now() -> None:
+    """Ends a worker without freeing its objects: freeing DDP's reducer after the strategy
+    closed frees the gloo process group while holding the GIL, and the group's destructor
+    joins threads that may need the GIL to free a finished work's tensors
+    (pytorch/pytorch#56297); workers here hung that way once their results were in."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def worker(steps: int, width: int, rows: int) -> None:
     import torch
     import torch.distributed as dist
@@ -146,6 +156,7 @@ def worker(steps: int, width: int, rows: int) -> None:
         print("final parameters bitwise those of reduce after backward: "
               + ", ".join(f"{name.strip()}: {'yes' if ok else 'NO'}" for name, ok in same.items()), flush=True)
     strategy.close()
+    exit_now()
 
 
 def parts(width: int, rows: int, reps: int = 7) -> None:
@@ -200,6 +211,7 @@ def parts(width: int, rows: int, reps: int = 7) -> None:
         for name, t in medians.items():
             print(f"| {name} | {t * 1e3:.1f} ms |", flush=True)
     strategy.close()
+    exit_now()
 
 
 def main() -> None:
