@@ -31,7 +31,6 @@ import argparse
 import atexit
 import ctypes
 import dataclasses
-import functools
 import os
 import secrets
 import select
@@ -41,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
-from shlex import quote as q
+from shlex import quote
 from typing import Any
 
 __all__ = ["Host", "SimulatedHosts", "available"]
@@ -113,37 +112,35 @@ class Host:
         libc = ctypes.CDLL(None, use_errno=True)
         # A mount namespace is entered only by a thread whose root and working directory are its
         # own: threads share them (torch's import starts one), so take a copy first.
-        steps = [("fs", lambda: libc.unshare(_CLONE_FS))]
+        self._check(libc.unshare(_CLONE_FS), "a root and working directory of its own")
         for kind in ("net", "uts", "mnt"):
-            steps.append((kind, functools.partial(self._setns, libc, f"/proc/{self.anchor}/ns/{kind}")))
-        for kind, step in steps:
-            if step() != 0:
-                errno = ctypes.get_errno()
-                raise OSError(errno, f"cannot enter host {self.index}'s {kind} namespace (process "
-                                     f"{self.anchor}): {os.strerror(errno)}")
+            fd = os.open(f"/proc/{self.anchor}/ns/{kind}", os.O_RDONLY)
+            try:
+                self._check(libc.setns(fd, 0), f"the {kind} namespace")
+            finally:
+                os.close(fd)
         os.chdir(cwd if os.path.isdir(cwd) else "/")  # entering a mount namespace moves to its root
 
-    @staticmethod
-    def _setns(libc: ctypes.CDLL, path: str) -> int:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            return int(libc.setns(fd, 0))
-        finally:
-            os.close(fd)
+    def _check(self, result: int, what: str) -> None:
+        if result != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"cannot enter host {self.index} (namespaces of process {self.anchor}): "
+                                 f"{what}: {os.strerror(errno)}")
 
     def command(self, argv: Sequence[str], cwd: Any = None, debian_loopback: bool = False) -> list[str]:
         """``argv`` as a command that runs it on this host, in ``cwd`` (kept visible where it lies
         under /tmp); ``debian_loopback``: in a mount namespace of its own whose /etc/hosts maps
         the host's own name to 127.0.1.1, as Debian's installer writes it (/dev/shm and /tmp
         stay the host's)."""
-        script = [f"{{ mountpoint -q {q(path)} || {{ mkdir -p {q(path)} && "
-                  f"mount --bind {q(self.machine_tmp + path[4:])} {q(path)}; }}; }}" for path in _under_tmp(cwd)]
+        script = [f"{{ mountpoint -q {quote(path)} || {{ mkdir -p {quote(path)} && "
+                  f"mount --bind {quote(self.machine_tmp + path[4:])} {quote(path)}; }}; }}"
+                  for path in _under_tmp(cwd)]
         unshare = []
         if debian_loopback:
             unshare = ["unshare", "--mount", "--propagation", "private"]
-            script.append(f"mount --bind {q(self.debian_hosts_file)} /etc/hosts")
+            script.append(f"mount --bind {quote(self.debian_hosts_file)} /etc/hosts")
         if cwd is not None:
-            script.append(f"cd {q(os.path.realpath(cwd))}")
+            script.append(f"cd {quote(os.path.realpath(cwd))}")
         return ["nsenter", "--target", str(self.anchor), "--net", "--uts", "--mount", *unshare,
                 "sh", "-c", " && ".join([*script, 'exec "$@"']), "sh", *argv]
 
@@ -221,11 +218,12 @@ class SimulatedHosts:
         """Starts the idle process that holds ``host``'s UTS and mount namespaces, set up: its
         hostname, /etc/hosts, and a /dev/shm and /tmp of its own (the machine's /tmp stays
         reachable at ``machine_tmp``, and what runs from under it visible in place)."""
-        steps = [f"hostname {q(self.hostnames[host])}", "mount -t tmpfs tmpfs /dev/shm",
-                 f"mount --bind /tmp {q(machine_tmp)}", "mount -t tmpfs tmpfs /tmp"]
+        steps = [f"hostname {quote(self.hostnames[host])}", "mount -t tmpfs tmpfs /dev/shm",
+                 f"mount --bind /tmp {quote(machine_tmp)}", "mount -t tmpfs tmpfs /tmp"]
         for path in _under_tmp(None):
-            steps += [f"mkdir -p {q(path)}", f"mount --bind {q(machine_tmp + path[4:])} {q(path)}"]
-        steps += [f"mount --bind {q(self._hosts_path(host, False))} /etc/hosts", "echo ready", "exec sleep infinity"]
+            steps += [f"mkdir -p {quote(path)}", f"mount --bind {quote(machine_tmp + path[4:])} {quote(path)}"]
+        steps += [f"mount --bind {quote(self._hosts_path(host, False))} /etc/hosts", "echo ready",
+                  "exec sleep infinity"]
         errors = os.path.join(self._dir, f"anchor{host}.err")
         ready, done = os.pipe()
         with open(errors, "w") as err:
