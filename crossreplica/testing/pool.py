@@ -3,9 +3,9 @@
 A :class:`WorkerPool` starts ``num_workers`` processes through torch's elastic
 launcher (``torch.distributed.elastic.multiprocessing.start_processes``), each
 with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-GROUP_RANK, ROLE_RANK, MASTER_ADDR=127.0.0.1 or, with ``hosts``, host 0's address on
-simulated hosts, MASTER_PORT an OS-chosen free
-port, and this process's ``CROSSREPLICA_*`` settings) and its stdout/stderr in
+GROUP_RANK, ROLE_RANK, MASTER_ADDR=127.0.0.1 or, with ``hosts``, host 0's
+address on simulated hosts, MASTER_PORT an OS-chosen free port, and this
+process's ``CROSSREPLICA_*`` settings) and its stdout/stderr in
 the launcher's log files; with ``log_level`` each worker logs crossreplica's
 records to its stderr (:meth:`WorkerPool.logs` shows them). Each worker builds
 ``cr.MultiWorkerMirroredStrategy(replicas_per_worker)`` once and then runs jobs
@@ -252,12 +252,12 @@ class WorkerPool:
     def _launch(self, rank: int, port: int, logdir: str) -> _Worker:
         # This process's crossreplica settings reach the workers, as torchrun's environment does.
         env = {k: v for k, v in os.environ.items() if k.startswith("CROSSREPLICA_")}
-        hosts = self.hosts.n if self.hosts else 1
-        per_host = self.num_workers // hosts
+        num_hosts = self.hosts.n if self.hosts else 1
+        per_host = self.num_workers // num_hosts
         host = self.hosts.host(rank // per_host) if self.hosts else None
         env |= {"RANK": str(rank), "WORLD_SIZE": str(self.num_workers), "LOCAL_RANK": str(rank % per_host),
                 "LOCAL_WORLD_SIZE": str(per_host), "GROUP_RANK": str(rank // per_host),
-                "GROUP_WORLD_SIZE": str(hosts), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(self.num_workers),
+                "GROUP_WORLD_SIZE": str(num_hosts), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(self.num_workers),
                 "MASTER_ADDR": self.hosts.addresses[0] if self.hosts else "127.0.0.1", "MASTER_PORT": str(port),
                 "OMP_NUM_THREADS": "1",
                 "TORCHELASTIC_RUN_ID": f"crossreplica-{port}",  # one run
