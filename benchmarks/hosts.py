@@ -58,6 +58,15 @@ def exit_now() -> None:
     os._exit(0)
 
 
+def mlp(width: int) -> Any:
+    """The benchmark's model, the same initial weights on every worker and variant."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+
+
 def worker(steps: int, width: int, rows: int) -> None:
     import torch
     import torch.distributed as dist
@@ -74,13 +83,9 @@ def worker(steps: int, width: int, rows: int) -> None:
     engine = strategy.extended.engine
     loss_fn = torch.nn.functional.cross_entropy
 
-    def make() -> nn.Module:
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(256, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
-                             nn.Linear(width, 10))
 
     def ours(overlap: bool, **engine_settings: Any) -> tuple[nn.Module, Callable[[Any, Any], None]]:
-        net = make()
+        net = mlp(width)
         opt = cr.CrossShardOptimizer(torch.optim.SGD(net.parameters(), lr=0.01), overlap=overlap)
 
         def step_fn(x: Any, y: Any) -> None:
@@ -104,7 +109,7 @@ def worker(steps: int, width: int, rows: int) -> None:
                 chain.PIECE_BYTES = saved_piece
         return net, run
 
-    ddp = DistributedDataParallel(make())
+    ddp = DistributedDataParallel(mlp(width))
     dopt = torch.optim.SGD(ddp.parameters(), lr=0.01)
 
     def ddp_step(x: Any, y: Any) -> None:
@@ -165,7 +170,6 @@ def parts(width: int, rows: int, reps: int = 7) -> None:
     the other host's), the chain alone and DDP's ring alone, on the step's gradient size."""
     import torch
     import torch.distributed as dist
-    from torch import nn
 
     import crossreplica as cr
     from crossreplica.engines.torch_dist import chain
@@ -173,8 +177,7 @@ def parts(width: int, rows: int, reps: int = 7) -> None:
     strategy = cr.MultiWorkerMirroredStrategy(timeout_seconds=600)
     torch.set_num_threads(1)
     rank, world, engine = dist.get_rank(), dist.get_world_size(), strategy.extended.engine
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(256, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+    net = mlp(width)
     x, y = torch.randn(rows, 256), torch.randint(0, 10, (rows,))
     vector = torch.randn(sum(p.numel() for p in net.parameters()))
     hosts = chain.host_layout(engine)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 
 import pytest
 import torch
@@ -153,8 +154,7 @@ def _host_view(strategy, tag):
 
     rank = strategy.extended.worker_rank
     for d in ("/dev/shm", "/tmp"):
-        with open(os.path.join(d, f"{tag}-{rank}"), "w"):
-            pass
+        pathlib.Path(d, f"{tag}-{rank}").touch()
     strategy.extended.barrier()
     seen = {d: sorted(f for f in os.listdir(d) if f.startswith(tag)) for d in ("/dev/shm", "/tmp")}
     env = {k: os.environ[k] for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",

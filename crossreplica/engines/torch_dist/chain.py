@@ -126,7 +126,7 @@ def reduce_vectors(eng: TorchDistEngine, hosts: Hosts, op: ReduceOp, vectors: li
     nxt = hosts[h + 1][me] if owner and h + 1 < len(hosts) else None
     linked = {host[k] for k in range(k_slices)} | (set(host) if owner else set())
     peers = tuple(sorted((linked | {p for p in (prev, nxt) if p is not None}) - {rank}))
-    wait = eng.watchdog.transfers(peers, tuple(sorted({*peers, rank})))
+    wait = eng.watchdog.transfers(peers)
     sent, finals = [], []
     for k in range(k_slices):
         if host[k] == rank:

@@ -51,7 +51,7 @@ def exchange(eng: TorchDistEngine, sends: dict[int, list[torch.Tensor]],
         works = dist.batch_isend_irecv(ops)
         # On gloo: the peers' arrival through the store, then the works on the transfer thread
         # while this one watches the heartbeats (Watchdog.transfers).
-        wait = eng.watchdog.transfers([worker for worker in peers if worker != eng.rank], peers)
+        wait = eng.watchdog.transfers([worker for worker in peers if worker != eng.rank])
         wait.expect(works)
         for work in works:
             wait(work)

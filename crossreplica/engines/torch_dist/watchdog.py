@@ -272,10 +272,11 @@ class Watchdog:
         finally:
             self.current = current
 
-    def transfers(self, peers: Sequence[int], ranks: Sequence[int]) -> Transfers:
-        """The waits for this exchange's point-to-point works with ``peers``: on gloo, once
-        the peers have arrived (:meth:`await_peers`), on this engine's transfer thread
-        (:class:`Transfers`); on NCCL, or without the store, in slices (:meth:`wait`)."""
+    def transfers(self, peers: Sequence[int]) -> Transfers:
+        """The waits for this exchange's point-to-point works with ``peers`` (other workers): on
+        gloo, once the peers have arrived (:meth:`await_peers`), on this engine's transfer
+        thread (:class:`Transfers`); on NCCL, or without the store, in slices (:meth:`wait`)."""
+        ranks = tuple(sorted({*peers, self.rank}))
         if self.backend == "nccl" or self.store is None:
             return Transfers(self, ranks)
         if self._transfer_thread is None:
