@@ -14,6 +14,8 @@ Ratios: speed-up over naive (naive / ours) and fraction of the bound
     .venv/bin/python benchmarks/allreduce.py            # full table
     .venv/bin/python benchmarks/allreduce.py --quick    # fewer sizes and trials
     .venv/bin/python benchmarks/allreduce.py --op mean  # another reduction (default sum)
+    python benchmarks/allreduce.py --device cuda          # replicas on the GPUs (several share one
+                                                          # where there are fewer GPUs than replicas)
 
 It also draws docs/img/allreduce.png (--plot PATH, --no-plot): time vs size
 per replica count against the naive baseline and the traffic bound, and the
@@ -41,23 +43,34 @@ def reps_for(nbytes: int, n: int) -> int:
     return max(3, min(3000, int(3e7 / (nbytes * n))))
 
 
+def synced(fn, device: torch.device):
+    """``fn`` followed by a wait for ``device``'s queued work, so a GPU's time is counted."""
+    if device.type != "cuda":
+        return fn
+
+    def call():
+        fn()
+        torch.cuda.synchronize(device)
+    return call
+
+
 def _loop(x: torch.Tensor, reps: int, op: str) -> float:
     cr.all_reduce(x, op)  # warm-up: first-touch of the output pages
-    return timeit(lambda: cr.all_reduce(x, op), reps)
+    return timeit(synced(lambda: cr.all_reduce(x, op), x.device), reps)
 
 
 _NAIVE = {"sum": lambda t: t.sum(0), "mean": lambda t: t.mean(0), "max": lambda t: t.amax(0),
           "min": lambda t: t.amin(0), "prod": lambda t: t.prod(0)}
 
 
-def copy_time(nbytes: int, reps: int) -> float:
-    src = torch.ones(nbytes // 4)
+def copy_time(nbytes: int, reps: int, device: torch.device) -> float:
+    src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
     best = float("inf")
     for threads in (1, 2):
         torch.set_num_threads(threads)
         dst.copy_(src)
-        best = min(best, timeit(lambda: dst.copy_(src), reps))
+        best = min(best, timeit(synced(lambda: dst.copy_(src), device), reps))
     torch.set_num_threads(1)
     return best
 
@@ -69,26 +82,33 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--op", choices=sorted(_NAIVE), default="sum", help="the reduction (default sum)")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the replicas and the baselines run (default cpu)")
     add_plot_arguments(parser, "allreduce")
     args = parser.parse_args()
     sizes = args.sizes or (SIZES[::2] if args.quick else SIZES)
     trials = 3 if args.quick else args.trials
     torch.set_num_threads(1)  # the replicas are the parallelism; the naive baseline is one thread
-    print(f"torch {torch.__version__}, {os.cpu_count()} cores, all_reduce {args.op}, {trials} interleaved trials, "
-          f"medians\n")
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    if args.device == "cuda" and not gpus:
+        parser.error("--device cuda: no CUDA device is visible")
+    where = f"{gpus} x {torch.cuda.get_device_name(0)}" if gpus else f"{os.cpu_count()} cores"
+    print(f"torch {torch.__version__}, {where}, all_reduce {args.op}, {trials} interleaved trials, medians\n")
     naive_op = _NAIVE[args.op]
     rows = []
     points = []
     for n in args.replicas:
-        strategy = cr.MirroredStrategy(n)
+        devices = [torch.device("cuda", i % gpus) if gpus else torch.device("cpu") for i in range(n)]
+        strategy = cr.MirroredStrategy(devices=devices) if gpus else cr.MirroredStrategy(n)
         for nbytes in sizes:
             reps = reps_for(nbytes, n)
-            xs = [torch.randn(nbytes // 4) for _ in range(n)]
+            xs = [torch.randn(nbytes // 4).to(d) for d in devices]
             ours, naive, copy = [], [], []
             for _ in range(trials):
                 ours.append(strategy.run(_loop, (cr.PerReplica(xs), reps, args.op)).values[0])
-                naive.append(timeit(lambda xs=xs: naive_op(torch.stack(xs)), reps))
-                copy.append(copy_time(nbytes, reps))
+                naive.append(timeit(synced(lambda xs=xs, d=devices[0]: naive_op(torch.stack([x.to(d) for x in xs])),
+                                           devices[0]), reps))
+                copy.append(copy_time(nbytes, reps, devices[0]))
             t_ours, t_naive = median(ours), median(naive)
             t_bound = n * median(copy)
             points.append({"replicas": n, "bytes": nbytes, "ours": t_ours, "naive": t_naive, "bound": t_bound})

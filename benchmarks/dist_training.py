@@ -16,6 +16,11 @@ overlap the reduction with the backward pass. Prints median step times on
 rank 0 and checks that both end with the same parameters. The driver draws
 docs/img/dist_training.png (docs/img/dist_training_w<N>.png with --width N;
 --plot PATH, --no-plot). ``--quick``: 8 steps, a smoke run.
+
+``--device cuda`` trains on the GPUs, worker ``i`` on GPU ``i % count``, and times
+each step to the end of its GPU work. The backend is NCCL where every worker has
+a GPU of its own, else gloo on the CUDA tensors, for both sides (``--backend``
+chooses).
 """
 
 from __future__ import annotations
@@ -81,21 +86,35 @@ def build(model: str, width: int) -> tuple[Any, Callable[[int, int], tuple[Any, 
     return seeded(Encoder), rows((16, 32, 256), 10)
 
 
-def worker(steps: int, model: str, width: int, out_path: str | None, bucket_mb: float) -> None:
+def worker(steps: int, model: str, width: int, out_path: str | None, bucket_mb: float,
+           device_type: str = "cpu", backend: str | None = None) -> None:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     import crossreplica as cr
 
-    strategy = cr.MultiWorkerMirroredStrategy(timeout_seconds=600)
+    if device_type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        strategy = cr.MultiWorkerMirroredStrategy(timeout_seconds=600, backend=backend, devices=[device])
+    else:
+        device = torch.device("cpu")
+        strategy = cr.MultiWorkerMirroredStrategy(timeout_seconds=600)
     rank = strategy.extended.worker_rank
     torch.set_num_threads(1)
-    make, batch = build(model, width)
+    make, on_host = build(model, width)
+
+    def batch(step: int, rank: int) -> tuple[Any, Any]:
+        x, y = on_host(step, rank)
+        return x.to(device), y.to(device)
+
+    def placed() -> torch.nn.Module:
+        return make().to(device)
     loss_fn = torch.nn.functional.cross_entropy
 
     def ours(overlap: bool) -> tuple[torch.nn.Module, Callable[[Any, Any], None]]:
-        net = make()
+        net = placed()
         pack = int(bucket_mb * 2**20) if overlap else cr.optim.DEFAULT_BYTES_PER_PACK
         opt = cr.CrossShardOptimizer(torch.optim.SGD(net.parameters(), lr=0.01), overlap=overlap,
                                      bytes_per_pack=pack)
@@ -118,7 +137,7 @@ def worker(steps: int, model: str, width: int, out_path: str | None, bucket_mb: 
             run_backend(x, y)
         finally:
             engine.shared_memory = reducer
-    ddp = DistributedDataParallel(make())
+    ddp = DistributedDataParallel(placed(), device_ids=[device] if device.type == "cuda" else None)
     dopt = torch.optim.SGD(ddp.parameters(), lr=0.01)
 
     def ddp_step(x: Any, y: Any) -> None:
@@ -127,7 +146,7 @@ def worker(steps: int, model: str, width: int, out_path: str | None, bucket_mb: 
         dopt.step()
 
     variants = {"torch DDP": ddp_step, "crossreplica, reduce after backward": run_plain,
-                "crossreplica, overlap=True, buckets through gloo": run_on_backend,
+                f"crossreplica, overlap=True, buckets through {dist.get_backend()}": run_on_backend,
                 "crossreplica, overlap=True": run_overlap}
     times: dict[str, list[float]] = {k: [] for k in variants}
     for s in range(steps):
@@ -136,20 +155,24 @@ def worker(steps: int, model: str, width: int, out_path: str | None, bucket_mb: 
             dist.barrier()
             t0 = time.perf_counter()
             fn(x, y)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             times[name].append(time.perf_counter() - t0)
     diffs = {name: max(float((a - b).detach().abs().max()) for a, b in zip(net.parameters(), ddp.module.parameters()))
-             for name, net in (("plain", plain), ("overlap", overlapped), ("overlap through gloo", through_backend))}
+             for name, net in (("plain", plain), ("overlap", overlapped), ("through the backend", through_backend))}
     if rank == 0:
         n = sum(p.numel() for p in plain.parameters())
         base = statistics.median(times["torch DDP"][DROPPED:])
+        where = (f"{torch.cuda.get_device_name(device)}, {dist.get_backend()}" if device.type == "cuda"
+                 else f"CPU, {dist.get_backend()}")
         print(f"model {model}: {n} params ({n * 4 / 2**20:.1f} MiB of gradients), {dist.get_world_size()} "
-              f"workers, {steps} steps (first {DROPPED} dropped), variants interleaved per step")
+              f"workers on {where}, {steps} steps (first {DROPPED} dropped), variants interleaved per step")
         print("| path | median step | vs DDP |\n|---|---|---|")
         for name, ts in times.items():
             med = statistics.median(ts[DROPPED:])
             print(f"| {name} | {med * 1e3:.2f} ms | {med / base:.3f} |")
         print(f"max abs diff of the final parameters vs DDP: reduce after backward {diffs['plain']:.3g}, "
-              f"overlap {diffs['overlap']:.3g}, overlap through gloo {diffs['overlap through gloo']:.3g}; "
+              f"overlap {diffs['overlap']:.3g}, overlap through the backend {diffs['through the backend']:.3g}; "
               f"same-host shared memory: {'on' if reducer is not None and reducer.enabled else 'off'}")
         if out_path:
             with open(out_path, "w") as f:
@@ -168,6 +191,9 @@ def main() -> None:
     p.add_argument("--width", type=int, default=0, help="MLP width (demo/mlp; 0: the model's default)")
     p.add_argument("--bucket-mb", type=float, default=4.0, help="overlap=True bucket size in MiB (default 4)")
     p.add_argument("--quick", action="store_true", help="8 steps (a smoke run)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the workers train (default cpu)")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default=None,
+                   help="with --device cuda: default nccl where each worker has a GPU of its own, else gloo")
     p.add_argument("--plot", metavar="PATH", help="the PNG to write (default docs/img/dist_training[_w<N>].png)")
     p.add_argument("--no-plot", action="store_true", help="print the table only")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -176,8 +202,11 @@ def main() -> None:
     if a.quick:
         a.steps = 8
     if a.worker:
-        worker(a.steps, a.model, a.width, a.out, a.bucket_mb)
+        worker(a.steps, a.model, a.width, a.out, a.bucket_mb, a.device, a.backend)
         return
+    if a.device == "cuda" and a.backend is None:
+        import torch
+        a.backend = "nccl" if 0 < a.workers <= torch.cuda.device_count() else "gloo"
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.json")
         rc = launch(a, out)
@@ -205,7 +234,7 @@ def launch(a: argparse.Namespace, out: str) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={a.workers}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", os.path.abspath(__file__), "--worker",
            "--steps", str(a.steps), "--model", a.model, "--width", str(a.width), "--bucket-mb", str(a.bucket_mb),
-           "--out", out]
+           "--out", out, "--device", a.device] + (["--backend", a.backend] if a.backend else [])
     proc = subprocess.Popen(cmd, start_new_session=True)
     try:
         return proc.wait(timeout=1800)

@@ -414,18 +414,26 @@ def _reduce_in_main(strategy):
                             zip(strategy.extended.local_replica_ids, strategy.extended.worker_devices)])
     total = strategy.reduce("sum", values, axis=None)
     mean = strategy.reduce("mean", values, axis=0)
-    return total.device.type, total.cpu(), mean.cpu()
+    trained = strategy.run(lambda: cr.all_gather(torch.full((2,), float(cr.replica_id()),
+                                                            device=cr.get_replica_context().device), 0).cpu())
+    return (total.device.type, total.cpu(), mean.cpu(), strategy.extended.engine.backend,
+            strategy.experimental_local_results(trained))
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("replicas_per_worker", [1, 2])
-def test_multiworker_strategy_reduce_of_cuda_values(replicas_per_worker):
-    outs = crt.run_workers(_reduce_in_main, 2, replicas_per_worker, device="cuda")
-    n = 2 * replicas_per_worker
-    for kind, total, mean in outs:
+@pytest.mark.parametrize("workers,replicas_per_worker", [(1, 2), (2, 1), (2, 2)])
+def test_multiworker_strategy_reduce_of_cuda_values(workers, replicas_per_worker):
+    """One worker has a GPU of its own on any GPU machine, so (1, 2) runs NCCL (with its two
+    local replicas on that GPU); two workers run NCCL where there are two GPUs, else gloo."""
+    outs = crt.run_workers(_reduce_in_main, workers, replicas_per_worker, device="cuda")
+    n = workers * replicas_per_worker
+    every_replica = torch.arange(n, dtype=torch.float32).repeat_interleave(2)
+    for kind, total, mean, backend, gathered in outs:
         assert kind == "cuda"
+        assert backend == ("nccl" if workers <= GPUS else "gloo")
         assert torch.equal(total, torch.full((3,), float(n * (n + 1) // 2)))
         torch.testing.assert_close(mean, torch.tensor((n + 1) / 2))
+        assert all(torch.equal(g, every_replica) for g in gathered)
 
 
 # ---------------------------------------------------------------------- failures
