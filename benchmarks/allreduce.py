@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -43,20 +44,22 @@ def reps_for(nbytes: int, n: int) -> int:
     return max(3, min(3000, int(3e7 / (nbytes * n))))
 
 
-def synced(fn, device: torch.device):
-    """``fn`` followed by a wait for ``device``'s queued work, so a GPU's time is counted."""
+def timed(fn, reps: int, device: torch.device) -> float:
+    """Seconds per call of ``fn`` over ``reps`` back-to-back calls, on a GPU up to the end
+    of the work they queued (one wait after the last call, as a training loop waits)."""
     if device.type != "cuda":
-        return fn
-
-    def call():
+        return timeit(fn, reps)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
         fn()
-        torch.cuda.synchronize(device)
-    return call
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / reps
 
 
 def _loop(x: torch.Tensor, reps: int, op: str) -> float:
     cr.all_reduce(x, op)  # warm-up: first-touch of the output pages
-    return timeit(synced(lambda: cr.all_reduce(x, op), x.device), reps)
+    return timed(lambda: cr.all_reduce(x, op), reps, x.device)
 
 
 _NAIVE = {"sum": lambda t: t.sum(0), "mean": lambda t: t.mean(0), "max": lambda t: t.amax(0),
@@ -70,7 +73,7 @@ def copy_time(nbytes: int, reps: int, device: torch.device) -> float:
     for threads in (1, 2):
         torch.set_num_threads(threads)
         dst.copy_(src)
-        best = min(best, timeit(synced(lambda: dst.copy_(src), device), reps))
+        best = min(best, timed(lambda: dst.copy_(src), reps, device))
     torch.set_num_threads(1)
     return best
 
@@ -106,8 +109,8 @@ def main() -> None:
             ours, naive, copy = [], [], []
             for _ in range(trials):
                 ours.append(strategy.run(_loop, (cr.PerReplica(xs), reps, args.op)).values[0])
-                naive.append(timeit(synced(lambda xs=xs, d=devices[0]: naive_op(torch.stack([x.to(d) for x in xs])),
-                                           devices[0]), reps))
+                naive.append(timed(lambda xs=xs, d=devices[0]: naive_op(torch.stack([x.to(d) for x in xs])), reps,
+                                   devices[0]))
                 copy.append(copy_time(nbytes, reps, devices[0]))
             t_ours, t_naive = median(ours), median(naive)
             t_bound = n * median(copy)

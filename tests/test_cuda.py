@@ -14,6 +14,7 @@ Skipped, with the reason, where no CUDA device is visible.
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -117,7 +118,7 @@ def test_all_gather_of_a_nest_without_tensors(layout):
 
 
 def _differentiable(x: torch.Tensor):
-    x = _here(x).requires_grad_()
+    x = _here(x).detach().requires_grad_()  # a leaf of its own (threads share the caller's tensors)
     n = cr.num_replicas()
     rid = cr.replica_id()
     w = torch.arange(1.0, x.numel() + 1, device=x.device).view_as(x)
@@ -183,6 +184,25 @@ def test_collectives_follow_the_replica_stream():
         assert torch.equal(doubled, torch.full((1 << 16,), 6.0))
 
 
+def _backward_threads(_):
+    """Where this replica's backward runs: the threads of a hook on a GPU gradient and of
+    a collective's backward, against the replica's own thread."""
+    seen = []
+    x = torch.ones(8, device=cr.get_replica_context().device, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: seen.append(threading.get_ident()))
+    (cr.all_reduce(y, "sum") * 3).sum().backward()
+    return seen == [threading.get_ident()], x.grad.cpu()
+
+
+def test_each_replica_runs_its_backward_on_its_own_thread():
+    """Autograd's one engine thread per GPU would run every replica's backward work on a
+    shared GPU; a collective's backward waiting for its peers there could never finish."""
+    for here, grad in run_on("threads", _backward_threads, 2, [0, 1]):
+        assert here
+        assert torch.equal(grad, torch.full((8,), 12.0))  # 3 x sum over 2 replicas x 2
+
+
 # ---------------------------------------------------------------------- training
 
 
@@ -227,6 +247,8 @@ def _train(steps, overlap: bool, sharded: bool, weighted: bool):
         x, y = x[rid * rows:(rid + 1) * rows].to(device), y[rid * rows:(rid + 1) * rows].to(device)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
+        if overlap:  # the buckets were reduced during backward, not left to step()
+            assert len(opt._overlapped.reduced) == len(list(model.parameters()))
         if weighted:
             opt.step(weight=x.shape[0])
         else:

@@ -306,7 +306,12 @@ class StrategyExtended:
                     call = (functools.partial(fn, *a, **kw) if micro is None
                             else functools.partial(micro, fn, i, rctx))
                     if devices[i].type == "cuda":
-                        with torch.cuda.device(devices[i]):
+                        # Autograd runs a GPU's backward work on one engine thread per device,
+                        # shared by every thread that calls backward. A collective's backward
+                        # waits for its peers, so replicas sharing a GPU would wait for each
+                        # other behind that one thread: each replica's own thread runs its
+                        # backward instead (thread-local; CPU work runs there anyway).
+                        with torch.cuda.device(devices[i]), torch.autograd.set_multithreading_enabled(False):
                             out = call()
                     else:
                         out = call()
