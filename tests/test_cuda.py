@@ -203,6 +203,27 @@ def test_each_replica_runs_its_backward_on_its_own_thread():
         assert torch.equal(grad, torch.full((8,), 12.0))  # 3 x sum over 2 replicas x 2
 
 
+def _sync_bn(x: torch.Tensor):
+    """SyncBatchNorm's forward and backward (its backward all-reduces) on this replica."""
+    layer = cr.nn.SyncBatchNorm(3).to(cr.get_replica_context().device)
+    with torch.no_grad():  # weights from a private generator: the same in every replica and run
+        layer.weight.copy_(torch.rand(3, generator=torch.Generator().manual_seed(0)) + 0.5)
+    x = _here(x).detach().requires_grad_()
+    out = layer(x)
+    (out * torch.arange(1.0, out.numel() + 1, device=out.device).view_as(out)).sum().backward()
+    return out.detach().cpu(), x.grad.cpu(), layer.weight.grad.cpu(), layer.running_var.cpu()
+
+
+def test_sync_batch_norm_trains_on_cuda_as_on_the_cpu(layout):
+    n = 2 if layout != "hierarchical" else 4
+    xs = [x[:, :3] for x in _inputs(n)]
+    on_cpu = run_on("threads", _sync_bn, n, xs, device="cpu")
+    on_gpu = run_on(layout, _sync_bn, n, xs)
+    for cpu_parts, gpu_parts in zip(on_cpu, on_gpu):
+        for a, b in zip(cpu_parts, gpu_parts):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-4)
+
+
 # ---------------------------------------------------------------------- training
 
 
