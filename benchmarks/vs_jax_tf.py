@@ -13,8 +13,9 @@ Two forms of each, as a user meets them:
   dispatch   one replicated call that all-reduces once and returns every replica's
              result (``strategy.run`` / one ``pmap`` call / one ``strategy.run`` of
              the ``tf.function``), end to end
-  in-call    per all-reduce, 32 of them chained inside one dispatch (x = sum / 4, so
-             the values stay put): what a training step's reductions cost
+  in-call    per all-reduce, 32 of them chained inside one dispatch (each sums the
+             last one's result; 4**32 stays far inside float32's range): what a
+             training step's reductions cost
 
 Each framework runs with its defaults on this machine (our replicas share the
 caller's intra-op threads; XLA and TF use their own thread pools). JAX and TF
@@ -89,7 +90,7 @@ class Ours:
 
         def chained(x: Any, n: int) -> None:
             for _ in range(n):
-                x = cr.all_reduce(x, "sum") * 0.25
+                x = cr.all_reduce(x, "sum")
         self.strategy.run(chained, (xs, 2))
         return seconds(lambda n: [self.strategy.run(chained, (xs, CHAIN)) for _ in range(n)], reps) / (reps * CHAIN)
 
@@ -105,7 +106,7 @@ class Jax:
         self.once = jax.pmap(lambda x: lax.psum(x, "r"), axis_name="r")
 
         def chained(x: Any) -> Any:
-            return lax.fori_loop(0, CHAIN, lambda _, v: lax.psum(v, "r") * 0.25, x)
+            return lax.fori_loop(0, CHAIN, lambda _, v: lax.psum(v, "r"), x)
         self.chained = jax.pmap(chained, axis_name="r")
         self.jnp = jnp
         self.inputs: dict[int, Any] = {}
@@ -146,7 +147,7 @@ class Tf:
 
         def reduce_chained(x: Any) -> Any:
             for _ in range(CHAIN):  # unrolled: TF's control flow cannot hold a synchronization point
-                x = tf.distribute.get_replica_context().all_reduce(sum_, x) * 0.25
+                x = tf.distribute.get_replica_context().all_reduce(sum_, x)
             return x
 
         # TF's way: the tf.function around strategy.run (a nested one cannot merge_call)
