@@ -457,10 +457,10 @@ def _reduce_in_main(strategy):
                             zip(strategy.extended.local_replica_ids, strategy.extended.worker_devices)])
     total = strategy.reduce("sum", values, axis=None)
     mean = strategy.reduce("mean", values, axis=0)
-    trained = strategy.run(lambda: cr.all_gather(torch.full((2,), float(cr.replica_id()),
-                                                            device=cr.get_replica_context().device), 0).cpu())
+    gathered = strategy.run(lambda: cr.all_gather(torch.full((2,), float(cr.replica_id()),
+                                                             device=cr.get_replica_context().device), 0).cpu())
     return (total.device.type, total.cpu(), mean.cpu(), strategy.extended.engine.backend,
-            strategy.experimental_local_results(trained))
+            strategy.experimental_local_results(gathered))
 
 
 @pytest.mark.multiprocess
