@@ -27,6 +27,8 @@ Invariants:
 * :meth:`WorkerPool.close` kills each worker's process group and reaps it;
   ``shutdown_pools`` (also run at interpreter exit) closes every persistent pool,
   so no worker outlives the program. The forkserver exits with the program.
+* Starting a pool leaves the caller's signal handlers as they were (torch's
+  launcher installs its own; ``_callers_signal_handlers``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -235,7 +238,8 @@ class WorkerPool:
                   self.num_workers, self.replicas_per_worker, self.hosts.n if self.hosts else 1, port,
                   self.timeout_seconds)
         try:
-            with _one_omp_thread():  # read when the forkserver imports torch
+            # OMP_NUM_THREADS is read when the forkserver imports torch.
+            with _one_omp_thread(), _callers_signal_handlers():
                 for rank in range(self.num_workers):
                     self._workers.append(self._launch(rank, port, os.path.join(logroot, f"rank{rank}")))
             replies = self._collect(list(range(self.num_workers)), time.monotonic() + START_LIMIT)
@@ -394,6 +398,25 @@ class _Replies:
     answers: dict[int, Any]
     exited: dict[int, int | None]
     unanswered: tuple[int, ...]
+
+
+@contextlib.contextmanager
+def _callers_signal_handlers() -> Iterator[None]:
+    """Keeps this process's handlers of the signals torch's launcher takes over when it
+    starts a worker (SIGTERM, SIGINT, SIGHUP, SIGQUIT: it raises its SignalException on
+    them, so Ctrl-C would no longer be a KeyboardInterrupt). A pool does not need them: a
+    worker exits when its pipe closes, so a parent ended by any signal leaves none behind."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # the launcher installs handlers from the main thread only
+        return
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    saved = [(sig, signal.getsignal(sig)) for sig in (getattr(signal, n) for n in names if hasattr(signal, n))]
+    try:
+        yield
+    finally:
+        for sig, handler in saved:
+            if handler is not None:  # None: a handler not installed from Python; left as it is
+                signal.signal(sig, handler)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 
 import pytest
 import torch
@@ -115,6 +116,30 @@ def test_worker_pool_lifecycle_and_outcome():
 
 def _worker_rank(strategy):
     return strategy.extended.worker_rank
+
+
+@pytest.mark.multiprocess
+def test_starting_a_pool_keeps_the_callers_signal_handlers():
+    """torch's launcher replaces them with one that raises its own exception; Ctrl-C in a
+    program that started a pool must still be a KeyboardInterrupt."""
+    signals = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT]
+    before = {sig: signal.getsignal(sig) for sig in signals}
+
+    def mine(signum, frame):
+        raise AssertionError("not called")
+
+    try:
+        for sig in signals:
+            signal.signal(sig, mine)
+        with crt.WorkerPool(2, timeout_seconds=20) as pool:
+            assert pool.run(_worker_rank, mode="main").results == {0: 0, 1: 1}
+            assert all(signal.getsignal(sig) is mine for sig in signals)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        with crt.WorkerPool(1, timeout_seconds=20):
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 @pytest.mark.multiprocess
