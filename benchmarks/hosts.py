@@ -83,7 +83,6 @@ def worker(steps: int, width: int, rows: int) -> None:
     engine = strategy.extended.engine
     loss_fn = torch.nn.functional.cross_entropy
 
-
     def ours(overlap: bool, **engine_settings: Any) -> tuple[nn.Module, Callable[[Any, Any], None]]:
         net = mlp(width)
         opt = cr.CrossShardOptimizer(torch.optim.SGD(net.parameters(), lr=0.01), overlap=overlap)

@@ -16,15 +16,20 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-import crossreplica as cr
-from crossreplica.strategies.replica_threads import ReplicaThreads
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import timeit  # noqa: E402
+
+import crossreplica as cr  # noqa: E402
+from crossreplica.strategies.replica_threads import ReplicaThreads  # noqa: E402
 
 X = torch.ones(1024)  # 4 KiB of float32
 
@@ -39,15 +44,8 @@ def all_reduce() -> torch.Tensor:
 
 def per_call(fn: Callable[[], Any], runs: int, rounds: int) -> float:
     """Median seconds per call of ``fn`` over ``rounds`` loops of ``runs`` calls."""
-    for _ in range(runs):
-        fn()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(runs):
-            fn()
-        times.append((time.perf_counter() - t0) / runs)
-    return statistics.median(times)
+    timeit(fn, runs)  # warm-up
+    return statistics.median(timeit(fn, runs) for _ in range(rounds))
 
 
 def timeline(runs: int) -> dict[str, float]:

@@ -39,6 +39,9 @@ import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _common import fmt_time, print_table  # noqa: E402 - stdlib only, so the servers import it too
+
 COMPARE_ENV = os.path.join(HERE, "..", ".venv-compare")
 SIZES = [4 << 10, 4 << 20, 64 << 20]
 REPLICAS = 4
@@ -234,10 +237,6 @@ def setup(python: str) -> None:
                           "'tensorflow', tf.__version__)"], check=True, capture_output=True, text=True).stdout)
 
 
-def fmt(seconds: float) -> str:
-    return f"{seconds * 1e6:.1f} us" if seconds < 1e-3 else f"{seconds * 1e3:.2f} ms"
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=7)
@@ -277,16 +276,14 @@ def main() -> None:
                         times[name].append(side.measure(form, nbytes, reps))
                 med = {name: statistics.median(ts) for name, ts in times.items()}
                 rows.append([form, f"{nbytes >> 10} KiB" if nbytes < 1 << 20 else f"{nbytes >> 20} MiB",
-                             fmt(med["ours"]), fmt(med["jax"]), fmt(med["tf"]),
+                             fmt_time(med["ours"]), fmt_time(med["jax"]), fmt_time(med["tf"]),
                              f"{med['jax'] / med['ours']:.2f}x", f"{med['tf'] / med['ours']:.2f}x"])
                 print(" | ".join(rows[-1]), flush=True)
     finally:
         for r in remotes:
             r.close()
-    print("\n| form | size | ours | jax pmap | tf MirroredStrategy | jax / ours | tf / ours |")
-    print("|---|---|---|---|---|---|---|")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+    print()
+    print_table(["form", "size", "ours", "jax pmap", "tf MirroredStrategy", "jax / ours", "tf / ours"], rows)
 
 
 if __name__ == "__main__":
