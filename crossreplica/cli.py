@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "and reports the largest parameter difference.",
         epilog=_TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("--replicas", type=_positive_int, default=d.replicas,
-                       help=f"in-process replicas for --strategy mirrored (default {d.replicas})")
+                       help=f"in-process replicas for --strategy mirrored (default: one per core, 2 to 4; "
+                            f"{d.replicas} here)")
     train.add_argument("--replicas-per-worker", type=_positive_int, default=d.replicas_per_worker,
                        help="local replicas of each process for --strategy multi_worker, launched "
                             f"with torchrun (default {d.replicas_per_worker})")

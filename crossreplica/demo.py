@@ -1,8 +1,8 @@
 """The demo: data-parallel training of a small MLP on scikit-learn's digits.
 
 ``train(TrainConfig(...))`` trains an MLP classifier on the 8x8 digits bundled
-with scikit-learn (no download) with a strategy (four in-process replicas by
-default), then trains the same model on one device with plain torch on the
+with scikit-learn (no download) with a strategy (in-process replicas by default,
+one per core, :func:`default_replicas`), then trains the same model on one device with plain torch on the
 same global batches and reports the largest absolute parameter difference:
 the library's promise, measured.
 
@@ -36,15 +36,31 @@ from .micro_batches import LayoutInvariant
 from .optim import CrossShardOptimizer
 from .strategies import MirroredStrategy, MultiWorkerMirroredStrategy, OneDeviceStrategy, Strategy
 
-__all__ = ["TrainConfig", "EpochStats", "TrainResult", "STRATEGIES", "load_digits", "make_model",
+__all__ = ["TrainConfig", "EpochStats", "default_replicas", "TrainResult", "STRATEGIES", "load_digits", "make_model",
            "make_strategy", "global_batches", "train", "train_reference"]
+
+
+def default_replicas() -> int:
+    """The demo's in-process replicas: one per core this process may run on, at least 2
+    (it shows data parallelism) and at most 4.
+
+    More replicas than cores would be oversubscribed: each replica computes with an
+    equal share of the intra-op threads (at least one), and every replica's Python runs
+    under the one GIL, so on 2 cores 4 replicas train the demo model about twice as
+    slowly as 2 (BENCHMARKS.md, "Demo model on 1, 2 and 4 replicas").
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        cores = os.cpu_count() or 1
+    return min(4, max(2, cores))
 
 
 @dataclasses.dataclass
 class TrainConfig:
     """What to train and how."""
 
-    replicas: int = 4
+    replicas: int = dataclasses.field(default_factory=default_replicas)
     strategy: str = "mirrored"
     epochs: int = 10
     batch_size: int = 64

@@ -39,6 +39,18 @@ def test_cli_train(capsys):
     assert "intra-op thread(s) as each replica" in out
 
 
+@pytest.mark.parametrize("cores,expected", [(1, 2), (2, 2), (3, 3), (4, 4), (64, 4)])
+def test_default_replicas_are_one_per_core(monkeypatch, capsys, cores, expected):
+    # One replica per core the process may use (not the machine's count), between 2 and 4:
+    # more replicas than cores would be oversubscribed.
+    monkeypatch.setattr(demo.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert demo.default_replicas() == expected
+    assert demo.TrainConfig().replicas == expected
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    assert f"2 to 4; {expected} here" in " ".join(capsys.readouterr().out.split())
+
+
 def test_cli_progress_bar_and_one_device(capsys):
     assert cli.main(["train", "--epochs", "1", "--strategy", "one_device", "--no-compare"]) == 0
     out = capsys.readouterr().out
