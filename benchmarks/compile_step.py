@@ -21,7 +21,13 @@ Every variant runs in the same process, interleaved round by round; the table
 gives the median ms per step over the rounds and the ratio compiled / eager.
 Compilation (the first call of the compiled step) is timed separately.
 
-    PYTHONPATH=. python benchmarks/compile_step.py [--rounds 7] [--steps 20]
+    PYTHONPATH=. python benchmarks/compile_step.py [--rounds 7] [--steps 20] [--per-call]
+
+``--per-call`` adds where a compiled collective's time goes, on one replica (no
+peer to wait for): a 4 KiB all-reduce eagerly, through its custom operator
+eagerly, and compiled (through ``cr.all_reduce`` and through the operator
+directly), beside a compiled ``x * 2 + 1``, with the guards each compiled
+function checks on every call.
 """
 
 from __future__ import annotations
@@ -99,10 +105,49 @@ def replica(params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor, fn_nam
     return (time.perf_counter() - t0) / steps
 
 
+def per_call(calls: int = 3000, rounds: int = 7) -> None:
+    strategy = cr.MirroredStrategy(num_replicas=1)
+    x = torch.ones(1024)
+    op = torch.ops.crossreplica.all_reduce.default
+    variants: dict[str, Callable[[torch.Tensor], Any]] = {
+        "cr.all_reduce, eager": lambda t: cr.all_reduce(t, "sum"),
+        "its custom operator, eager": lambda t: op([t], [0], 1, "SUM;F"),
+        "cr.all_reduce, compiled": torch.compile(lambda t: cr.all_reduce(t, "sum"), fullgraph=True),
+        "its custom operator, compiled": torch.compile(lambda t: op([t], [0], 1, "SUM;F")[0], fullgraph=True),
+        "x * 2 + 1, eager": lambda t: t * 2 + 1,
+        "x * 2 + 1, compiled": torch.compile(lambda t: t * 2 + 1, fullgraph=True),
+    }
+
+    def measure() -> list[list[str]]:
+        rows = []
+        for name, fn in variants.items():
+            fn(x)  # compiles
+            guards = (str(len(torch._dynamo.explain(fn._torchdynamo_orig_callable)(x).out_guards))  # type: ignore[attr-defined]
+                      if hasattr(fn, "_torchdynamo_orig_callable") else "-")
+            times = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn(x)
+                times.append((time.perf_counter() - t0) / calls)
+            rows.append([name, f"{statistics.median(times) * 1e6:.1f}", guards])
+        return rows
+
+    rows = strategy.run(measure)
+    print()
+    print(f"One replica, 4 KiB, medians of {rounds} x {calls} calls:")
+    print()
+    print("| call | us per call | guards per call |")
+    print("|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--per-call", action="store_true", help="also time one compiled collective's layers")
     args = parser.parse_args()
     torch.set_num_threads(1)
     strategy = cr.MirroredStrategy(num_replicas=2)
@@ -152,6 +197,8 @@ def main() -> None:
     print()
     print(f"crossreplica's compiled/eager over plain torch's: {(comp / eager) / (plain_comp / plain_eager):.3f}x "
           f"(target at most 1.05x)")
+    if args.per_call:
+        per_call()
 
 
 if __name__ == "__main__":

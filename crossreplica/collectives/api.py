@@ -10,6 +10,10 @@ both (the assignment then groups positions within the named axes; see
 Under ``torch.compile`` the same functions trace to custom operators
 (``compiled.py``); the replica context is then read when the compiled code
 runs, not when it is traced, so one compiled step serves every replica.
+``all_reduce`` of a tensor or a flat list or tuple of tensors (the gradients)
+traces through one constant function instead of line by line: every global a
+traced line reads is a guard that each call of the compiled code checks again,
+about 90 of them for one all-reduce, against 12 this way.
 """
 
 from __future__ import annotations
@@ -71,6 +75,40 @@ def _groups(rctx: ReplicaContext | None, group_assignment: Any, mesh: Mesh | Non
     return resolve_groups(n, group_assignment, mesh, axes)
 
 
+def _flat_tensors(x: Any) -> list[torch.Tensor] | None:
+    """``x`` as a list of dense tensors when it is one or a plain list or tuple of them; else None."""
+    if isinstance(x, torch.Tensor):
+        return [x] if x.layout is torch.strided else None
+    if type(x) in (list, tuple) and x and all(isinstance(t, torch.Tensor) and t.layout is torch.strided
+                                              for t in x):
+        return list(x)
+    return None
+
+
+@torch.compiler.assume_constant_result
+def _traced_all_reduce(op: Any, group_assignment: Any, dtypes: tuple[torch.dtype, ...]) -> tuple:
+    """The compiled all-reduce's constant arguments, worked out once while tracing:
+    ``(flat groups, group size, encoded params)``, or ``(exception name, message)`` for a bad
+    argument (raised by the caller, so tracing fails as the line-by-line path does)."""
+    try:
+        op = ReduceOp.from_any(op)
+        for dtype in dtypes:
+            check_dtype(op, dtype)
+        groups = resolve_groups(_traced_num_replicas(), group_assignment)
+    except (TypeError, ValueError) as e:
+        return type(e).__name__, str(e)
+    return tuple(r for g in groups for r in g), len(groups[0]), compiled.encode(_ALL_REDUCE[op])
+
+
+def _compiled_all_reduce(x: Any, tensors: list[torch.Tensor], op: Any, group_assignment: Any) -> Any:
+    spec = _traced_all_reduce(op, group_assignment, tuple(t.dtype for t in tensors))
+    if len(spec) == 2:
+        raise (TypeError if spec[0] == "TypeError" else ValueError)(spec[1])
+    flat, size, params = spec
+    outs = torch.ops.crossreplica.all_reduce(tensors, list(flat), size, params)
+    return outs[0] if isinstance(x, torch.Tensor) else type(x)(outs)
+
+
 def _execute(rctx: ReplicaContext | None, kind: Kind, groups: Groups, params: Any,
              tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     if rctx is None:
@@ -96,6 +134,10 @@ def all_reduce(x: Nest, op: ReduceOp | str = "sum", group_assignment: GroupAssig
         check_dtype(op, x.dtype)
         return autodiff.execute_one(here, Kind.ALL_REDUCE, canonical_groups(None, here.num_replicas_in_sync),
                                     _ALL_REDUCE[op], x)
+    if _is_compiling() and mesh is None and axes is None:
+        tensors = _flat_tensors(x)
+        if tensors is not None:
+            return _compiled_all_reduce(x, tensors, op, group_assignment)
     rctx = _context("cr.all_reduce")
     op = ReduceOp.from_any(op)
     groups = _groups(rctx, group_assignment, mesh, axes)

@@ -24,6 +24,7 @@ eagerly), and the uneven parts of a gather's backward are not traced.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 
@@ -93,13 +94,20 @@ def decode(text: str) -> tuple:
 _CONSTANTS = {"N": None, "T": True, "F": False}
 
 
+@functools.lru_cache(maxsize=1024)
 def _params(kind: Kind, text: str) -> tuple:
-    """The kind's parameter record from the operator's string argument."""
+    """The kind's parameter record from the operator's string argument (a compiled graph
+    passes the same few strings on every call: decoded once each)."""
     return SPECS[kind].record(*decode(text))  # type: ignore[misc]
 
 
-def _groups(flat: Sequence[int], size: int) -> Groups:
+@functools.lru_cache(maxsize=1024)
+def _canonical(flat: tuple[int, ...], size: int) -> Groups:
     return tuple(tuple(flat[i:i + size]) for i in range(0, len(flat), size))
+
+
+def _groups(flat: Sequence[int], size: int) -> Groups:
+    return _canonical(tuple(flat), size)
 
 
 # --------------------------------------------------------------------------- the operators
