@@ -134,7 +134,8 @@ def all_reduce(x: Nest, op: ReduceOp | str = "sum", group_assignment: GroupAssig
         check_dtype(op, x.dtype)
         return autodiff.execute_one(here, Kind.ALL_REDUCE, canonical_groups(None, here.num_replicas_in_sync),
                                     _ALL_REDUCE[op], x)
-    if _is_compiling() and mesh is None and axes is None:
+    if _is_compiling() and mesh is None and axes is None and (group_assignment is None or
+                                                            type(group_assignment) in (list, tuple)):
         tensors = _flat_tensors(x)
         if tensors is not None:
             return _compiled_all_reduce(x, tensors, op, group_assignment)
