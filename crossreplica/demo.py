@@ -1,10 +1,10 @@
 """The demo: data-parallel training of a small MLP on scikit-learn's digits.
 
 ``train(TrainConfig(...))`` trains an MLP classifier on the 8x8 digits bundled
-with scikit-learn (no download) with a strategy (in-process replicas by default,
-one per core, :func:`default_replicas`), then trains the same model on one device with plain torch on the
-same global batches and reports the largest absolute parameter difference:
-the library's promise, measured.
+with scikit-learn (no download) with a strategy (by default in-process
+replicas, one per core: :func:`default_replicas`), then trains the same model
+on one device with plain torch on the same global batches and reports the
+largest absolute parameter difference: the library's promise, measured.
 
 The replica function is what a user writes: forward on the replica's part of
 the batch, mean loss over its rows, backward, ``CrossShardOptimizer.step``

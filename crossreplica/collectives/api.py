@@ -13,7 +13,7 @@ runs, not when it is traced, so one compiled step serves every replica.
 ``all_reduce`` of a tensor or a flat list or tuple of tensors (the gradients)
 traces through one constant function instead of line by line: every global a
 traced line reads is a guard that each call of the compiled code checks again,
-about 90 of them for one all-reduce, against 12 this way.
+about 85 of crossreplica's for one all-reduce, against 11 this way.
 """
 
 from __future__ import annotations
