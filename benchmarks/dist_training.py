@@ -2,9 +2,12 @@
 
     PYTHONPATH=$PWD python benchmarks/dist_training.py [--model demo|mlp|cnn|transformer] [--steps 40]
 
-Three sides per step, interleaved: DDP, CrossShardOptimizer reducing after
-backward, and CrossShardOptimizer(overlap=True) reducing buckets during
-backward (the plot shows DDP against overlap=True).
+Sides per step, interleaved: DDP, CrossShardOptimizer reducing after
+backward, CrossShardOptimizer(overlap=True) reducing buckets during backward
+(through gloo, and through shared memory where the workers share a host; the
+plot shows DDP against overlap=True), and the floor: the same step with no
+gradient reduction at all (each worker's own SGD, the workers drift apart),
+the least any data-parallel step can take on these cores.
 
 Both sides train the same model on the same per-replica batches over gloo in
 the same run, one intra-op thread per process. The default model is the demo's
@@ -145,9 +148,18 @@ def worker(steps: int, model: str, width: int, out_path: str | None, bucket_mb: 
         loss_fn(ddp(x), y).backward()
         dopt.step()
 
+    alone = placed()
+    aopt = torch.optim.SGD(alone.parameters(), lr=0.01)
+
+    def floor_step(x: Any, y: Any) -> None:
+        aopt.zero_grad()
+        loss_fn(alone(x), y).backward()
+        aopt.step()
+
     variants = {"torch DDP": ddp_step, "crossreplica, reduce after backward": run_plain,
                 f"crossreplica, overlap=True, buckets through {dist.get_backend()}": run_on_backend,
-                "crossreplica, overlap=True": run_overlap}
+                "crossreplica, overlap=True": run_overlap,
+                "floor: no gradient reduction (each worker's own SGD)": floor_step}
     times: dict[str, list[float]] = {k: [] for k in variants}
     for s in range(steps):
         x, y = batch(s, rank)

@@ -9,7 +9,9 @@ momentum 0.9, foreach):
   torch.set_num_threads(1) (one intra-op thread per replica), 128 rows each,
   CrossShardOptimizer (the 7.4 MB of gradients reduced in one engine call), and
   its overlap=True / shard_optimizer_state=True variants (both: each replica
-  steps its slices of its own parameters and copies the other's).
+  steps its slices of its own parameters and copies the other's);
+* the floor: the same 2 replicas with no gradient reduction at all (each
+  steps its own gradients), the least a data-parallel step can take here.
 
 Part 2: the demo's model (digits MLP 64-128-128-10, global batch 64) on 1, 2
 and 4 replicas (intra-op threads = cores // replicas) against plain torch on
@@ -94,9 +96,19 @@ def replica_step(model: nn.Module, opt: cr.CrossShardOptimizer, x: torch.Tensor,
         opt.step(weight=x.shape[0] if weighted else None)
 
 
+def replica_step_alone(model: nn.Module, opt: cr.CrossShardOptimizer, x: torch.Tensor, y: torch.Tensor,
+                       steps: int, weighted: bool = True) -> None:
+    """The floor: the same step with no gradient reduction (the wrapped optimizer steps)."""
+    for _ in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.optimizer.step()
+
+
 def strategy_runner(model: nn.Module, x: torch.Tensor, y: torch.Tensor, replicas: int, threads: int,
-                    steps: int, **options: bool) -> tuple[Callable[[], None], cr.Strategy, Any]:
-    """``options``: CrossShardOptimizer's overlap / shard_optimizer_state (equal rows: no weight)."""
+                    steps: int, reduce: bool = True, **options: bool) -> tuple[Callable[[], None], cr.Strategy, Any]:
+    """``options``: CrossShardOptimizer's overlap / shard_optimizer_state (equal rows: no weight);
+    ``reduce=False``: the floor, each replica stepping its own gradients."""
     s = cr.MirroredStrategy(replicas, devices=["cpu"] * replicas) if replicas > 1 else cr.OneDeviceStrategy()
     models = s.mirror(model)
     opts = s.run(lambda m: cr.CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9,
@@ -105,7 +117,8 @@ def strategy_runner(model: nn.Module, x: torch.Tensor, y: torch.Tensor, replicas
 
     def run() -> None:
         torch.set_num_threads(threads)
-        s.run(replica_step, args=(models, opts, batch[0], batch[1], steps, not options))
+        s.run(replica_step if reduce else replica_step_alone, args=(models, opts, batch[0], batch[1], steps,
+                                                                    not options))
     return run, s, opts
 
 
@@ -260,12 +273,14 @@ def main() -> None:
                                                shard_optimizer_state=True)
     both_run, _, both_opts = strategy_runner(mlp([784, 1024, 1024, 10]), x, y, 2, 1, args.steps,
                                              overlap=True, shard_optimizer_state=True)
+    floor_run, _, _ = strategy_runner(mlp([784, 1024, 1024, 10]), x, y, 2, 1, args.steps, reduce=False)
     variants = {
         base_name: plain_runner(mlp([784, 1024, 1024, 10]), x, y, 2, args.steps),
         "MirroredStrategy, 2 replicas x 1 intra-op thread": strat_run,
         "  same, overlap=True": overlap_run,
         "  same, shard_optimizer_state=True": shard_run,
         "  same, overlap=True and shard_optimizer_state=True": both_run,
+        "  floor: same, no gradient reduction": floor_run,
     }
     mlp_times = measure(variants, args.rounds, args.steps)
     state_table({"SGD momentum, unsharded": plain_opts, "SGD momentum, shard_optimizer_state=True": shard_opts,
