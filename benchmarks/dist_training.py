@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import socket
 import statistics
 import subprocess
@@ -244,7 +245,9 @@ def launch(a: argparse.Namespace, out: str) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={a.workers}",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", os.path.abspath(__file__), "--worker",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+           f"--rdzv-id={secrets.token_hex(8)}",  # the job secret: store keys no one else can guess
+           os.path.abspath(__file__), "--worker",
            "--steps", str(a.steps), "--model", a.model, "--width", str(a.width), "--bucket-mb", str(a.bucket_mb),
            "--out", out, "--device", a.device] + (["--backend", a.backend] if a.backend else [])
     proc = subprocess.Popen(cmd, start_new_session=True)
