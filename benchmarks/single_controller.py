@@ -1,6 +1,7 @@
 """The single-controller design, measured before it is built (issue 23).
 
     PYTHONPATH=$PWD python benchmarks/single_controller.py [--replicas 1 2 4 64] [--runs 300] [--rounds 7]
+    PYTHONPATH=$PWD python benchmarks/single_controller.py --vs-jax   # + JAX pmap (vs_jax_tf.py --setup first)
 
 The threads engine runs each in-process replica on a thread of its own; every
 ``strategy.run`` and every collective hands the GIL from thread to thread, and
@@ -30,6 +31,11 @@ scheduler, side by side with the real ``strategy.run``:
   inside the replica bodies, four in a row, with the two replicas stepping at
   the same time and one after the other (a lock): the GIL, not the cores,
   decides what two replicas of a small step cost.
+* with ``--vs-jax``: issue 23's target 5 for the design, a 4 KiB all-reduce on
+  4 replicas in ``benchmarks/vs_jax_tf.py``'s two forms (one dispatch; per
+  all-reduce of 32 chained in one dispatch), the threads engine, the prototype
+  and JAX ``pmap`` interleaved trial by trial (JAX served from
+  ``.venv-compare/``, as in that script).
 
 The prototype is a measuring instrument, not an engine: it has no timeouts, no
 error handling and no autograd (a collective inside backward cannot switch:
@@ -322,12 +328,71 @@ def inside_threads(runs: int) -> None:
     print_table(["forward, backward and step inside a body (us, medians)", "1st", "2nd", "3rd", "4th"], table)
 
 
+class PrototypeSide:
+    """The prototype as a side of ``vs_jax_tf.py``'s comparison (its ``measure`` protocol)."""
+
+    def __init__(self, replicas: int):
+        self.proto = Prototype(replicas)
+        self.inputs: dict[int, list[torch.Tensor]] = {}
+
+    def version(self) -> str:
+        return f"single-controller prototype, greenlet {greenlet.__version__}"
+
+    def measure(self, form: str, nbytes: int, reps: int) -> float:
+        from vs_jax_tf import CHAIN, seconds
+        xs = self.inputs.setdefault(nbytes, [torch.randn(nbytes // 4) for _ in range(self.proto.n)])
+        proto = self.proto
+
+        def chained(i: int, n: int) -> None:
+            x = xs[i]
+            for _ in range(n):
+                x = proto.all_reduce(i, x)
+        if form == "dispatch":
+            proto.run(lambda i: chained(i, 1))
+            return seconds(lambda k: [proto.run(lambda i: chained(i, 1)) for _ in range(k)], reps) / reps
+        proto.run(lambda i: chained(i, 2))
+        return seconds(lambda k: [proto.run(lambda i: chained(i, CHAIN)) for _ in range(k)], reps) / (reps * CHAIN)
+
+
+def vs_jax(python: str, trials: int) -> None:
+    import vs_jax_tf as cmp
+    if not os.path.exists(python):
+        sys.exit(f"--python {python} does not exist; create it with benchmarks/vs_jax_tf.py --setup")
+    nbytes = 4 << 10
+    sides: dict[str, Any] = {"threads engine": cmp.Ours(), "prototype": PrototypeSide(cmp.REPLICAS)}
+    jax = cmp.Remote(python, "jax")
+    sides["jax pmap"] = jax
+    rows = []
+    try:
+        for form in ("dispatch", "in-call"):
+            reps = cmp.reps_for(nbytes, form)
+            times: dict[str, list[float]] = {name: [] for name in sides}
+            for _ in range(trials):
+                for name, side in sides.items():
+                    time.sleep(cmp.PAUSE)
+                    times[name].append(side.measure(form, nbytes, reps))
+            med = {name: statistics.median(ts) for name, ts in times.items()}
+            jax_time = med["jax pmap"]
+            rows.append([form, fmt_time(med["threads engine"]), fmt_time(med["prototype"]), fmt_time(jax_time),
+                         f"{jax_time / med['threads engine']:.2f}x", f"{jax_time / med['prototype']:.2f}x"])
+    finally:
+        jax.close()
+    print(f"\n4 KiB float32 sum on {cmp.REPLICAS} replicas, {jax.version()}, medians of {trials} interleaved "
+          f"trials (target 5: jax / ours at least 1.0x)")
+    print_table(["form", "threads engine", "prototype", "jax pmap", "jax / threads engine", "jax / prototype"], rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4, 64])
     parser.add_argument("--runs", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=100, help="demo steps per timed loop")
+    parser.add_argument("--vs-jax", action="store_true", help="also the 4 KiB all-reduce against JAX pmap")
+    parser.add_argument("--python", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                                         ".venv-compare", "bin", "python"),
+                        help="with --vs-jax: the interpreter with jax (default .venv-compare/bin/python)")
+    parser.add_argument("--trials", type=int, default=7, help="with --vs-jax: interleaved trials")
     args = parser.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     print(f"torch {torch.__version__}, greenlet {greenlet.__version__}, {os.cpu_count()} cores; "
@@ -335,6 +400,8 @@ def main() -> None:
     per_run(args.replicas, args.runs, args.rounds)
     demo_step(args.rounds * 3, args.steps)
     inside_threads(args.runs)
+    if args.vs_jax:
+        vs_jax(os.path.normpath(args.python), args.trials)
 
 
 if __name__ == "__main__":
