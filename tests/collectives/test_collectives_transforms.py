@@ -14,6 +14,7 @@ transposes) make each replica's Jacobian the global one.
 from __future__ import annotations
 
 import math
+import re
 import threading
 import warnings
 
@@ -306,6 +307,18 @@ def test_compiled_all_reduce_adds_a_few_guards_whatever_the_leaves():
     assert sorted(six) == sorted(one), (one, six)
 
 
+def _broadcast_one(x):
+    return cr.broadcast(x, 0, [[0]])
+
+
+def test_compiled_collectives_work_out_their_groups_as_one_constant():
+    # The group helpers' internals (their caches, canonical forms) are no guards of the
+    # compiled code: the groups are worked out once while tracing.
+    strategy = cr.MirroredStrategy(num_replicas=1)
+    names = strategy.run(lambda: _crossreplica_guards(_broadcast_one, torch.ones(3)))
+    assert not [n for n in names if "crossreplica_dot_groups" in n], names
+
+
 def _compiled_reductions(x, y, z):
     return (_compiled(_reduce_pair)([x, y]), _compiled(_reduce_tuple)((x, z)), _compiled(_reduce_max_pairs)(y),
             _reduce_pair([x, y]), _reduce_tuple((x, z)), _reduce_max_pairs(y))
@@ -335,18 +348,30 @@ def test_compiled_all_reduce_of_tensors_lists_and_tuples_matches_eager():
             assert a.dtype == b.dtype and torch.equal(a, b)
 
 
-def _compiled_bad(x, op):
-    return torch.compile(lambda t: cr.all_reduce(t, op), fullgraph=True)(x)
+def _compiled_bad(x, call):
+    return torch.compile(call, fullgraph=True)(x)
 
 
-@pytest.mark.parametrize("x,op,error,match", [
-    (torch.ones(2), "bogus", ValueError, "op must be a cr.ReduceOp or one of SUM, MEAN, MAX, MIN, PROD"),
-    (torch.ones(2, dtype=torch.int32), "mean", TypeError, "x has dtype torch.int32, but op=mean needs a floating"),
-])
-def test_compiled_all_reduce_bad_arguments_fail_tracing_with_the_eager_message(x, op, error, match):
+def _eager_fallback(x, call):
+    return torch.compile(call)(x)
+
+
+@pytest.mark.parametrize("call,x,error,match", [
+    (lambda t: cr.all_reduce(t, "bogus"), torch.ones(2), ValueError,
+     "op must be a cr.ReduceOp or one of SUM, MEAN, MAX, MIN, PROD"),
+    (lambda t: cr.all_reduce(t, "mean"), torch.ones(2, dtype=torch.int32), TypeError,
+     "x has dtype torch.int32, but op=mean needs a floating"),
+    (lambda t: cr.all_reduce([t, t], "sum", [[0, 5]]), torch.ones(2), ValueError,
+     r"group_assignment names replica 5, outside 0..0 (1 replicas in sync)"),
+    (lambda t: cr.broadcast(t, 0, [[0, 5]]), torch.ones(2), ValueError,
+     r"group_assignment names replica 5, outside 0..0 (1 replicas in sync)"),
+], ids=["op", "dtype", "all_reduce-groups", "broadcast-groups"])
+def test_compiled_collective_bad_arguments_fail_tracing_with_the_eager_message(call, x, error, match):
+    # The constant arguments are worked out in one function while tracing; a bad one still
+    # fails as the eager call does.
     strategy = cr.MirroredStrategy(num_replicas=1)
     with pytest.raises(Exception) as info:  # torch wraps it (Unsupported in 2.13)
-        strategy.run(_compiled_bad, args=(x, op))
+        strategy.run(_compiled_bad, args=(x, call))
     assert match in str(info.value) + str(info.value.__cause__), info.value
-    with pytest.raises(error, match=match):  # without fullgraph Dynamo falls back to the eager call
-        strategy.run(lambda t: torch.compile(lambda u: cr.all_reduce(u, op))(t), args=(x,))
+    with pytest.raises(error, match=re.escape(match)):  # without fullgraph Dynamo falls back to the eager call
+        strategy.run(_eager_fallback, args=(x, call))
