@@ -193,7 +193,8 @@ def run_steps(strategy: "Strategy", fn: Callable[[Any], Any], iterator: Any, ste
             out = strategy.run(fn, args=(element,))
         return out
     if not strategy.extended.random_streams:
-        return strategy.run(_loop, args=(fn, elements, None))
+        # By keyword: run drops trailing None args (TPUStrategy's rule).
+        return strategy.run(_loop, args=(fn, elements), kwargs={"bases": None})
     # One random base per step, drawn from the caller's generator as ``len(elements)``
     # runs would draw them: the run itself draws the first, the rest are drawn after it.
     saved = torch.get_rng_state()

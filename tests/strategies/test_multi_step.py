@@ -93,12 +93,18 @@ def _steps_main(strategy) -> dict:
     return {k: _train(strategy, k) for k in PER_DISPATCH}
 
 
+def _steps_main_without_random_streams(strategy) -> dict:
+    strategy.extended.random_streams = False
+    return _steps_main(strategy)
+
+
+@pytest.mark.parametrize("main", [_steps_main, _steps_main_without_random_streams], ids=["streams", "no-streams"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_steps_per_dispatch_match_plain_torch(layout):
+def test_steps_per_dispatch_match_plain_torch(layout, main):
     """Chunks of 1, 3, 7 and 20 steps give the same training as one step per run and as plain
     torch; each chunk returns its last step's outputs, and a short last chunk runs what is left."""
     weights, losses = _reference()
-    for worker in run_main(_steps_main, layout):
+    for worker in run_main(main, layout):
         for per_dispatch, res in worker.items():
             k = per_dispatch or 1
             last_of_chunk = [min(i + k, STEPS) - 1 for i in range(0, STEPS, k)]
