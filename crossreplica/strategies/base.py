@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import warnings
 from typing import Any
 from collections.abc import Callable, Iterator, Sequence
@@ -20,7 +21,7 @@ import torch
 
 from .. import context, data, nest
 from ..arguments import check_call
-from ..errors import ReplicaContextError, summarize
+from ..errors import CrossReplicaWarning, ReplicaContextError, summarize
 from ..logs import SharedModuleWarning
 from ..reduce_op import (WIRE_DTYPES, ReduceOp, check_dtype, from_wire, mean_scale, reduce_non_distributed_value,
                          to_wire)
@@ -32,6 +33,40 @@ from . import logical_devices
 from .steps import run_steps
 
 __all__ = ["Strategy", "StrategyExtended"]
+
+
+def _trim_trailing_none(fn: Callable[..., Any], args: tuple) -> tuple:
+    """``args`` without its trailing ``None``s: TPUStrategy's rule (Keras passes ``None``
+    targets), so the parameters there take their defaults.
+
+    TF's MirroredStrategy passes them on, so the habit of ``run(fn, args=(x, None))``
+    for ``def fn(x, w=1.0)`` would silently give ``w=1.0``: a dropped ``None`` that lands
+    on a parameter with another default is a warning, and one that lands on a parameter
+    without a default a TypeError, both naming the fix (pass it as a keyword)."""
+    kept = len(args)
+    while kept and args[kept - 1] is None:
+        kept -= 1
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature (some builtins): the rule alone
+        return args[:kept]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    dropped = positional[kept:len(args)]
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    required = [p.name for p in dropped if p.default is p.empty]
+    if required:
+        raise TypeError(
+            f"strategy.run drops trailing None args (TPUStrategy's rule), so {name}'s parameter(s) "
+            f"{required} would get no value; to pass None, pass it by keyword: "
+            f"kwargs={{{required[0]!r}: None}}")
+    changed = [p for p in dropped if p.default is not None]
+    if changed:
+        warnings.warn(
+            f"strategy.run drops trailing None args (TPUStrategy's rule), so {name} gets its default for "
+            + ", ".join(f"{p.name}={p.default!r}" for p in changed)
+            + f", not None; to pass None, pass it by keyword: kwargs={{{changed[0].name!r}: None}}",
+            CrossReplicaWarning, stacklevel=3)
+    return args[:kept]
 
 
 class Strategy:
@@ -62,7 +97,8 @@ class Strategy:
         """Runs ``fn`` on every local replica and regroups the results.
 
         ``args``/``kwargs`` go through ``select_replica`` (a PerReplica gives each
-        replica its own value); trailing ``None`` args are dropped. A replica that
+        replica its own value); trailing ``None`` args are dropped, as TPUStrategy
+        drops them (:func:`_trim_trailing_none`). A replica that
         raises releases the others; the run then raises a ReplicaError that is
         also an instance of the original exception's type.
         """
@@ -72,8 +108,8 @@ class Strategy:
                 "strategy.run was called inside a replica function; call it from the main program "
                 "(cross-replica context)")
         args = tuple(args)
-        while args and args[-1] is None:
-            args = args[:-1]
+        if args and args[-1] is None:
+            args = _trim_trailing_none(fn, args)
         kwargs = kwargs or {}
         self._check_distributed(("args", args), ("kwargs", kwargs), run=True)
         self._check_captured(fn)

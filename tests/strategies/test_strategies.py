@@ -60,10 +60,37 @@ def test_run_trims_trailing_none_args(strategy):
     def fn(a, b="default-b", c="default-c"):
         return a, b, c
 
-    out = strategy.run(fn, args=(1, None, None))
+    # TPUStrategy's rule; TF's MirroredStrategy would pass None on, so it is said aloud.
+    with pytest.warns(cr.logs.CrossReplicaWarning, match=r"strategy.run drops trailing None args \(TPUStrategy's rule\), "
+                      r"so .*fn gets its default for b='default-b', c='default-c', not None; to pass None, pass "
+                      r"it by keyword: kwargs=\{'b': None\}"):
+        out = strategy.run(fn, args=(1, None, None))
     assert all(r == (1, "default-b", "default-c") for r in local(strategy, out))
     out = strategy.run(fn, args=[1, None, 3])  # a None before a value is kept; a list works too
     assert all(r == (1, None, 3) for r in local(strategy, out))
+    out = strategy.run(fn, args=(1,), kwargs={"b": None, "c": None})  # None by keyword reaches fn
+    assert all(r == (1, None, None) for r in local(strategy, out))
+
+
+def test_trailing_none_onto_a_none_default_or_varargs_is_quiet(strategy, recwarn):
+    def fn(a, mask=None):
+        return a, mask
+
+    out = strategy.run(fn, args=(1, None))
+    assert all(r == (1, None) for r in local(strategy, out))
+    out = strategy.run(lambda *xs: xs, args=(1, None))  # no parameter to name: the rule alone
+    assert all(r == (1,) for r in local(strategy, out))
+    assert not [w for w in recwarn if issubclass(w.category, cr.logs.CrossReplicaWarning)], [str(w.message) for w in recwarn]
+
+
+def test_trailing_none_onto_a_required_parameter_is_a_clear_error(strategy):
+    def fn(a, d):
+        return a, d
+
+    with pytest.raises(TypeError, match=r"strategy.run drops trailing None args \(TPUStrategy's rule\), so .*fn's "
+                                        r"parameter\(s\) \['d'\] would get no value; to pass None, pass it by "
+                                        r"keyword: kwargs=\{'d': None\}"):
+        strategy.run(fn, args=(1, None))
 
 
 def test_run_regroups_results(strategy):
