@@ -35,7 +35,7 @@ from .steps import run_steps
 __all__ = ["Strategy", "StrategyExtended"]
 
 
-def _trim_trailing_none(fn: Callable[..., Any], args: tuple) -> tuple:
+def _trim_trailing_none(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple:
     """``args`` without its trailing ``None``s: TPUStrategy's rule (Keras passes ``None``
     targets), so the parameters there take their defaults.
 
@@ -51,7 +51,7 @@ def _trim_trailing_none(fn: Callable[..., Any], args: tuple) -> tuple:
     except (TypeError, ValueError):  # no signature (some builtins): the rule alone
         return args[:kept]
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    dropped = positional[kept:len(args)]
+    dropped = [p for p in positional[kept:len(args)] if p.name not in kwargs]  # a keyword fills it
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
     required = [p.name for p in dropped if p.default is p.empty]
     if required:
@@ -108,9 +108,9 @@ class Strategy:
                 "strategy.run was called inside a replica function; call it from the main program "
                 "(cross-replica context)")
         args = tuple(args)
-        if args and args[-1] is None:
-            args = _trim_trailing_none(fn, args)
         kwargs = kwargs or {}
+        if args and args[-1] is None:
+            args = _trim_trailing_none(fn, args, kwargs)
         self._check_distributed(("args", args), ("kwargs", kwargs), run=True)
         self._check_captured(fn)
         with self.scope():

@@ -80,6 +80,12 @@ def test_trailing_none_onto_a_none_default_or_varargs_is_quiet(strategy, recwarn
     assert all(r == (1, None) for r in local(strategy, out))
     out = strategy.run(lambda *xs: xs, args=(1, None))  # no parameter to name: the rule alone
     assert all(r == (1,) for r in local(strategy, out))
+
+    def needs(a, d, w=1.0):
+        return a, d, w
+
+    out = strategy.run(needs, args=(1, None, None), kwargs={"d": 2, "w": 3.0})  # keywords fill them
+    assert all(r == (1, 2, 3.0) for r in local(strategy, out))
     assert not [w for w in recwarn if issubclass(w.category, cr.logs.CrossReplicaWarning)], [str(w.message) for w in recwarn]
 
 
