@@ -14,7 +14,7 @@ Every global a traced line reads is a guard that each call of the compiled
 code checks again, so what depends on no tensor is worked out in one constant
 function (``torch.compiler.assume_constant_result``) while tracing: the groups
 of every collective, and all of ``all_reduce``'s arguments for a tensor or a
-flat list or tuple of tensors (the gradients: 11 guards of crossreplica's
+flat list or tuple of tensors (the gradients: 13 guards of crossreplica's
 instead of about 85).
 """
 
@@ -73,20 +73,29 @@ def _traced_num_replicas() -> int:
 
 
 def _groups(rctx: ReplicaContext | None, group_assignment: Any, mesh: Mesh | None, axes: Any) -> Groups:
-    if rctx is None and mesh is None and axes is None and (group_assignment is None or
-                                                         type(group_assignment) in (list, tuple)):
-        groups = _traced_groups(group_assignment)  # one constant while tracing, not a guard per line
-        if isinstance(groups[0], str):
-            raise (TypeError if groups[0] == "TypeError" else ValueError)(groups[1])
-        return groups
+    if rctx is None and _constant_assignment(group_assignment, mesh, axes):
+        return _raised(_traced_groups(group_assignment))  # one constant while tracing, not a guard per line
     n = rctx.num_replicas_in_sync if rctx is not None else _traced_num_replicas()
     return resolve_groups(n, group_assignment, mesh, axes)
 
 
+def _constant_assignment(group_assignment: Any, mesh: Mesh | None, axes: Any) -> bool:
+    """Whether the groups can be one constant while tracing: no mesh, and the assignment
+    None or a list or tuple (a tensor or numpy array is traced as before)."""
+    return mesh is None and axes is None and (group_assignment is None or type(group_assignment) in (list, tuple))
+
+
+def _raised(spec: tuple) -> Any:
+    """``spec`` from a constant function, or the ``(exception name, message)`` it returned for a
+    bad argument raised here, so tracing fails as the line-by-line path does."""
+    if isinstance(spec[0], str):
+        raise (TypeError if spec[0] == "TypeError" else ValueError)(spec[1])
+    return spec
+
+
 @torch.compiler.assume_constant_result
-def _traced_groups(group_assignment: Any) -> Any:
-    """The canonical groups while torch.compile traces, or ``(exception name, message)``
-    for a bad assignment (raised by the caller, as the line-by-line path raises it)."""
+def _traced_groups(group_assignment: Any) -> tuple:
+    """The canonical groups while torch.compile traces, or ``(exception name, message)``."""
     try:
         return resolve_groups(_traced_num_replicas(), group_assignment)
     except (TypeError, ValueError) as e:
@@ -106,23 +115,21 @@ def _flat_tensors(x: Any) -> list[torch.Tensor] | None:
 @torch.compiler.assume_constant_result
 def _traced_all_reduce(op: Any, group_assignment: Any, dtypes: tuple[torch.dtype, ...]) -> tuple:
     """The compiled all-reduce's constant arguments, worked out once while tracing:
-    ``(flat groups, group size, encoded params)``, or ``(exception name, message)`` for a bad
-    argument (raised by the caller, so tracing fails as the line-by-line path does)."""
+    ``(flat groups, group size, encoded params)``, or ``(exception name, message)``."""
     try:
         op = ReduceOp.from_any(op)
         for dtype in dtypes:
             check_dtype(op, dtype)
-        groups = resolve_groups(_traced_num_replicas(), group_assignment)
     except (TypeError, ValueError) as e:
         return type(e).__name__, str(e)
+    groups = _traced_groups(group_assignment)  # called here, not traced: a plain call
+    if isinstance(groups[0], str):
+        return groups
     return tuple(r for g in groups for r in g), len(groups[0]), compiled.encode(_ALL_REDUCE[op])
 
 
 def _compiled_all_reduce(x: Any, tensors: list[torch.Tensor], op: Any, group_assignment: Any) -> Any:
-    spec = _traced_all_reduce(op, group_assignment, tuple(t.dtype for t in tensors))
-    if len(spec) == 2:
-        raise (TypeError if spec[0] == "TypeError" else ValueError)(spec[1])
-    flat, size, params = spec
+    flat, size, params = _raised(_traced_all_reduce(op, group_assignment, tuple(t.dtype for t in tensors)))
     outs = torch.ops.crossreplica.all_reduce(tensors, list(flat), size, params)
     return outs[0] if isinstance(x, torch.Tensor) else type(x)(outs)
 
@@ -152,8 +159,7 @@ def all_reduce(x: Nest, op: ReduceOp | str = "sum", group_assignment: GroupAssig
         check_dtype(op, x.dtype)
         return autodiff.execute_one(here, Kind.ALL_REDUCE, canonical_groups(None, here.num_replicas_in_sync),
                                     _ALL_REDUCE[op], x)
-    if _is_compiling() and mesh is None and axes is None and (group_assignment is None or
-                                                            type(group_assignment) in (list, tuple)):
+    if _is_compiling() and _constant_assignment(group_assignment, mesh, axes):
         tensors = _flat_tensors(x)
         if tensors is not None:
             return _compiled_all_reduce(x, tensors, op, group_assignment)
