@@ -15,6 +15,13 @@ def timeit(fn: Callable[[], object], reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+def median_time(fn: Callable[[], object], reps: int, rounds: int) -> float:
+    """Median seconds per call of ``fn`` over ``rounds`` loops of ``reps`` calls, after one
+    loop of warm-up."""
+    timeit(fn, reps)
+    return statistics.median(timeit(fn, reps) for _ in range(rounds))
+
+
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
 

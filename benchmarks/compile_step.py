@@ -33,7 +33,10 @@ function checks on every call.
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import statistics
+import sys
 import time
 from typing import Any
 from collections.abc import Callable
@@ -41,7 +44,10 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-import crossreplica as cr
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import median_time  # noqa: E402
+
+import crossreplica as cr  # noqa: E402
 
 SIZES = (64, 128, 128, 10)
 
@@ -124,13 +130,7 @@ def per_call(calls: int = 3000, rounds: int = 7) -> None:
             fn(x)  # compiles
             guards = (str(len(torch._dynamo.explain(fn._torchdynamo_orig_callable)(x).out_guards))  # type: ignore[attr-defined]
                       if hasattr(fn, "_torchdynamo_orig_callable") else "-")
-            times = []
-            for _ in range(rounds):
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn(x)
-                times.append((time.perf_counter() - t0) / calls)
-            rows.append([name, f"{statistics.median(times) * 1e6:.1f}", guards])
+            rows.append([name, f"{median_time(functools.partial(fn, x), calls, rounds) * 1e6:.1f}", guards])
         return rows
 
     rows = strategy.run(measure)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import timeit  # noqa: E402
+from _common import median_time  # noqa: E402
 
 import crossreplica as cr  # noqa: E402
 from crossreplica.strategies.replica_threads import ReplicaThreads  # noqa: E402
@@ -40,12 +40,6 @@ def empty() -> None:
 
 def all_reduce() -> torch.Tensor:
     return cr.all_reduce(X, "sum")
-
-
-def per_call(fn: Callable[[], Any], runs: int, rounds: int) -> float:
-    """Median seconds per call of ``fn`` over ``rounds`` loops of ``runs`` calls."""
-    timeit(fn, runs)  # warm-up
-    return statistics.median(timeit(fn, runs) for _ in range(rounds))
 
 
 def timeline(runs: int) -> dict[str, float]:
@@ -94,11 +88,11 @@ def main() -> None:
     for n in a.replicas:
         strategy = cr.MirroredStrategy(n)
         runs = max(a.runs // max(n // 4, 1), 20)
-        t_empty = per_call(functools.partial(strategy.run, empty), runs, a.rounds)
-        t_reduce = per_call(functools.partial(strategy.run, all_reduce), runs, a.rounds)
+        t_empty = median_time(functools.partial(strategy.run, empty), runs, a.rounds)
+        t_reduce = median_time(functools.partial(strategy.run, all_reduce), runs, a.rounds)
         if n > 1:
             bare = ReplicaThreads(n)
-            t_bare = per_call(functools.partial(bare.run, lambda i: None, lambda i, e: None, 1.0), runs, a.rounds)
+            t_bare = median_time(functools.partial(bare.run, lambda i: None, lambda i, e: None, 1.0), runs, a.rounds)
             bare.close()
         extra = "" if base is None or n == base[0] else f"{(t_reduce - base[1]) / (n - base[0]) * 1e6:.1f} us"
         if n == 2:

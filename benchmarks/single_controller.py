@@ -62,7 +62,7 @@ import torch
 from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import fmt_time, print_table, timeit  # noqa: E402
+from _common import fmt_time, median_time, print_table, timeit  # noqa: E402
 
 import crossreplica as cr  # noqa: E402
 from crossreplica import context, demo, torch_state  # noqa: E402
@@ -137,21 +137,16 @@ class Prototype:
             return self.total.clone()
 
 
-def _median_us(fn: Callable[[], object], runs: int, rounds: int) -> float:
-    timeit(fn, 20)  # warm-up
-    return statistics.median(timeit(fn, runs) for _ in range(rounds)) * 1e6
-
-
 def _runs_of(n: int, reps: int, rounds: int) -> list[float]:
     """Microseconds per run on ``n`` replicas: empty (threads engine, prototype), one 4 KiB
     all-reduce (threads engine, prototype, bare prototype)."""
     strategy = cr.MirroredStrategy(num_replicas=n, devices=["cpu"] * n)
     proto, bare = Prototype(n), Prototype(n, bookkeeping=False)
-    return [_median_us(lambda: strategy.run(lambda: None), reps, rounds),
-            _median_us(lambda: proto.run(lambda i: None), reps, rounds),
-            _median_us(lambda: strategy.run(lambda: cr.all_reduce(X, "sum")), reps, rounds),
-            _median_us(lambda: proto.run(lambda i: proto.all_reduce(i, X)), reps, rounds),
-            _median_us(lambda: bare.run(lambda i: bare.all_reduce(i, X)), reps, rounds)]
+    runs: list[Callable[[], object]] = [
+        lambda: strategy.run(lambda: None), lambda: proto.run(lambda i: None),
+        lambda: strategy.run(lambda: cr.all_reduce(X, "sum")), lambda: proto.run(lambda i: proto.all_reduce(i, X)),
+        lambda: bare.run(lambda i: bare.all_reduce(i, X))]
+    return [median_time(fn, reps, rounds) * 1e6 for fn in runs]
 
 
 def per_run(replica_counts: list[int], runs: int, rounds: int) -> None:
