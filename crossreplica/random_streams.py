@@ -22,8 +22,14 @@ the op's device when none was given (an overload without a generator argument
 is sent to its ``generator=`` twin), so every way to a random number is
 covered, in C++ composites too, and an explicit ``generator=`` is left
 untouched. Operators that draw but take no generator (``native_dropout``, the
-fused attention kernels with dropout on CUDA) run with the device's default
-generator swapped to the replica's state, under a lock. Every other operator
+fused attention kernels with dropout) run with the device's default generator
+swapped to the replica's state, under a lock. torch.compile saves the default
+generators' states when it starts compiling and restores them when it ends, in
+whichever thread compiles: a swap in another thread in between would draw from
+the restored state, or leave its replica's state in the caller's generator. So a
+compilation holds the lock too, from torch's compile-start callback to its
+compile-end callback; swaps in the compiling thread itself nest inside its save
+and restore and go ahead. Every other operator
 falls through the key at no cost (why this key: docs/fidelity.md, "Random
 numbers"). Tracing for ``torch.compile`` sees the ops unchanged, so compiled
 graphs hold no generator; at run time inductor draws its seeds through the
@@ -42,6 +48,7 @@ from typing import Any
 
 import torch
 
+from . import settings
 from . import torch_private as tp
 
 __all__ = ["ReplicaStream", "checkpoint_context_fn", "current_stream", "draw_base", "entered", "replica_generator",
@@ -99,7 +106,10 @@ class _Local(threading.local):
 
 _local = _Local()
 _install_lock = threading.Lock()
+_watch_lock = threading.Lock()
+#: Held while a replica's state is in a default generator (one op), or while torch.compile compiles.
 _swap_lock = threading.Lock()
+_compiling: int | None = None  # the thread whose compilation holds _swap_lock
 _installed: list[Any] = []  # the libraries holding the kernels (alive as long as the process)
 KEY: Any = None  # the dispatch key, once installed
 _AFTER: Any = None
@@ -296,7 +306,10 @@ def _swap(op: Any, draws: Callable[[tuple, dict], bool]) -> Callable[..., Any]:
         default = _default_generator(_device_of(args, kwargs)) if g is not None else None
         if default is None:
             return redispatch(keyset & _AFTER, *args, **kwargs)
-        with _swap_lock:
+        mine = _compiling == threading.get_ident()  # inside this thread's own compilation: the lock is its
+        if not mine:
+            _acquire("a random op without a generator argument (dropout, attention with dropout)")
+        try:
             saved = default.get_state()
             default.set_state(g.get_state())  # type: ignore[union-attr]
             try:
@@ -305,7 +318,47 @@ def _swap(op: Any, draws: Callable[[tuple, dict], bool]) -> Callable[..., Any]:
             finally:
                 g.set_state(default.get_state())  # type: ignore[union-attr]
                 default.set_state(saved)
+        finally:
+            if not mine:
+                _swap_lock.release()
     return kernel
+
+
+def _acquire(waiter: str) -> None:
+    if _swap_lock.acquire(blocking=False):
+        return
+    seconds = settings.timeout()
+    if not _swap_lock.acquire(timeout=seconds):
+        raise TimeoutError(
+            f"crossreplica: {waiter} waited {seconds:g} s for torch's default generator, which another "
+            "thread's random op or torch.compile compilation holds; a compilation that takes longer needs a "
+            "larger CROSSREPLICA_TIMEOUT")
+
+
+def _compile_started(*_: Any) -> None:
+    """torch's compile-start callback: no swap until the compilation ends (see the module docstring)."""
+    global _compiling
+    _acquire("torch.compile")
+    _compiling = threading.get_ident()
+
+
+def _compile_ended(*_: Any) -> None:
+    """torch's compile-end callback (possibly in another thread, when compilations overlap)."""
+    global _compiling
+    if _compiling is not None:  # None: _compile_started raised
+        _compiling = None
+        _swap_lock.release()
+
+
+def _watch_compilations() -> None:
+    """Registers the compile callbacks, again after ``torch._dynamo.reset()`` (which clears them)."""
+    handler = tp.compile_callbacks
+    if handler is None or _compile_started in handler.start_callbacks:
+        return
+    with _watch_lock:  # replica threads may get here together: register once
+        if _compile_started not in handler.start_callbacks:
+            handler.register_start_callback(_compile_started)
+            handler.register_end_callback(_compile_ended)
 
 
 def _argument(op: Any, name: str, default: Any) -> Callable[[tuple, dict], Any]:
@@ -395,10 +448,12 @@ def _install() -> None:
     """Registers the kernels (once per process, on first use)."""
     global KEY, _AFTER, _EXCLUDE
     if _installed:
+        _watch_compilations()
         return
     with _install_lock:
         if _installed:
             return
+        _watch_compilations()
         name, key, fallback = _pick_key()
         lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
         for op_name, kernel in _kernels():

@@ -132,6 +132,11 @@ get_schema: Any = _need("torch._C._get_schema", "an operator overload's schema b
 _need("torch.ops.aten.add.Tensor._schema", "an OpOverload's FunctionSchema", "2.0", _RNG)
 _need("torch.ops.aten.add.Tensor._handle.redispatch_boxed",
       "an OpOverload's redispatch without its Python frame", "2.1", _RNG)
+compile_callbacks: Any = _need(
+    "torch._dynamo.callback.callback_handler",
+    "runs callbacks when torch.compile starts and ends compiling (dynamo, lazy backward, cudagraph recording)",
+    "2.3", "a replica's dropout or attention with dropout could draw from a state torch.compile restores "
+    "in another thread", required=False)
 # Public (torch.library), named here because torch before 2.8 lacks it and the error should say so.
 _need("torch.library.Library.fallback", "a backend fallback kernel (public API)", "2.8", _RNG)
 

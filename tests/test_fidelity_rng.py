@@ -4,6 +4,8 @@ on every strategy and engine (docs/fidelity.md, "Random numbers")."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -264,3 +266,65 @@ def test_checkpoint_recomputes_the_replica_draws():
         ref_y, ref_grad = _checkpointed(x, cr.checkpoint_context_fn)  # outside a replica: torch's own handling
         assert torch.equal(y, ref_y) and torch.equal(grad, ref_grad)
     assert not torch.equal(out[0][0], out[1][0])
+
+
+def _dropout(x):
+    return F.dropout(x, 0.5)
+
+
+def _compiled_dropout_while_another_replica_compiles(x, started, compiled):
+    """Replica 0 compiles three fresh functions while replica 1 draws dropout masks, compiled with
+    aot_eager (the graph keeps native_dropout, which takes no generator), until they are done."""
+    draw = torch.compile(_dropout, backend="aot_eager", dynamic=False)
+    if cr.get_replica_context().replica_id_in_sync_group == 0:
+        assert started.wait(60)
+        for k in range(3):
+            torch.compile(lambda t, k=k: (t.sin() * (k + 2)).cos() + t, backend="aot_eager")(x[: 10 + k])
+        compiled.set()
+        return x.new_empty(0, *x.shape)
+    masks = [draw(x)]
+    started.set()
+    while not compiled.is_set():
+        masks.append(draw(x))
+    return torch.stack(masks)
+
+
+def test_compiling_in_one_replica_leaves_the_others_draws_alone():
+    """torch.compile saves the default generator when it starts compiling and restores it at the
+    end, in the compiling thread; a replica's swap for native_dropout in between used to draw from
+    the restored state (its mask sequence diverged for good) or leave its state in the caller's."""
+    torch._dynamo.reset()  # which drops torch's compile callbacks: the run registers them again
+    strategy = cr.MirroredStrategy(num_replicas=2)
+    x = torch.ones(64)
+    started, compiled = threading.Event(), threading.Event()
+    torch.manual_seed(SEED)
+    masks = strategy.experimental_local_results(strategy.run(
+        _compiled_dropout_while_another_replica_compiles, args=(x, started, compiled)))[1]
+    after = torch.rand(4)  # the caller's generator: one draw (the run's base) from the seed
+    _base()
+    assert torch.equal(after, torch.rand(4))
+    torch.manual_seed(_base() + 1)
+    draw = torch.compile(_dropout, backend="aot_eager", dynamic=False)
+    want = [draw(x) for _ in masks]
+    assert len(masks) > 1
+    assert [i for i, (a, b) in enumerate(zip(masks, want)) if not torch.equal(a, b)] == []
+
+
+def test_a_swap_that_cannot_get_the_default_generator_times_out(monkeypatch):
+    """The wait for torch's default generator (held by a compilation in another thread, here by
+    the test) has the collective timeout, and its error says what it waited for."""
+    from crossreplica import random_streams
+
+    monkeypatch.setenv("CROSSREPLICA_TIMEOUT", "0.3")
+    strategy = cr.MirroredStrategy(num_replicas=2)
+    assert random_streams._swap_lock.acquire(timeout=5)
+    try:
+        with pytest.raises(TimeoutError, match=r"random op without a generator argument .* waited 0.3 s .* "
+                                               r"torch.compile compilation holds.*CROSSREPLICA_TIMEOUT"):
+            strategy.run(lambda: torch.native_dropout(torch.ones(8), 0.5, True))
+    finally:
+        random_streams._swap_lock.release()
+    torch.manual_seed(SEED)  # and the lock works again
+    out = strategy.experimental_local_results(strategy.run(lambda: torch.native_dropout(torch.ones(8), 0.5, True)[0]))
+    torch.manual_seed(_base() + 1)
+    assert torch.equal(out[1], torch.native_dropout(torch.ones(8), 0.5, True)[0])

@@ -28,7 +28,7 @@ SYMBOLS = {
     "torch._C.DispatchKeySet", "torch._C._dispatch_keyset_full_after", "torch._C._parse_dispatch_key",
     "torch._C._TorchDispatchModeKey", "torch._C._get_dispatch_mode", "torch._C._dispatch_get_all_op_names",
     "torch._C._get_schema", "torch.ops.aten.add.Tensor._schema", "torch.ops.aten.add.Tensor._handle.redispatch_boxed",
-    "torch.library.Library.fallback",
+    "torch.library.Library.fallback", "torch._dynamo.callback.callback_handler",
     # thread state carried into replica threads
     "torch._C._is_fwd_grad_enabled", "torch.autograd.forward_ad._set_fwd_grad_enabled",
     "torch._C._len_torch_function_stack", "torch.overrides._get_current_function_mode_stack",
