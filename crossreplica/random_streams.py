@@ -195,8 +195,10 @@ def checkpoint_context_fn() -> tuple[contextlib.AbstractContextManager[Any], con
     the recomputation draw what the forward drew from the replica's stream (dropout masks match).
 
     torch's ``preserve_rng_state`` saves and restores torch's default generators only; inside
-    a replica, random ops draw from the replica's stream instead. Outside a replica this
-    returns two empty contexts (torch's own handling applies).
+    a replica, random ops draw from the replica's stream instead (and torch's save and
+    restore, which bypasses the lock of ops without a generator argument, can be turned off
+    with ``preserve_rng_state=False`` in code that only runs in replicas). Outside a replica
+    this returns two empty contexts (torch's own handling applies).
     """
     stream = _local.stream
     if stream is None:

@@ -246,20 +246,23 @@ def _masked(x):
     return F.dropout(x, 0.5) * x
 
 
-def _checkpointed(x, context_fn):
+def _checkpointed(x, context_fn, preserve_rng_state=True):
     x = x.detach().requires_grad_()
-    y = checkpoint(_masked, x, use_reentrant=False, context_fn=context_fn)
+    y = checkpoint(_masked, x, use_reentrant=False, context_fn=context_fn, preserve_rng_state=preserve_rng_state)
     y.sum().backward()
     return y.detach(), x.grad
 
 
-def test_checkpoint_recomputes_the_replica_draws():
+@pytest.mark.parametrize("preserve_rng_state", [True, False])
+def test_checkpoint_recomputes_the_replica_draws(preserve_rng_state):
     """With cr.checkpoint_context_fn, a checkpointed dropout recomputes the forward's mask
-    (the gradient is zero exactly where y is), and the numbers are the plain-torch formula's."""
+    (the gradient is zero exactly where y is), and the numbers are the plain-torch formula's,
+    whether or not torch also saves and restores its default generators (the docs advise not)."""
     strategy = cr.MirroredStrategy(num_replicas=2)
     x = torch.linspace(1, 2, 64)
     torch.manual_seed(SEED)
-    out = strategy.experimental_local_results(strategy.run(_checkpointed, args=(x, cr.checkpoint_context_fn)))
+    out = strategy.experimental_local_results(strategy.run(
+        _checkpointed, args=(x, cr.checkpoint_context_fn, preserve_rng_state)))
     base = _base()
     for i, (y, grad) in enumerate(out):
         assert torch.equal(grad != 0, y != 0)
