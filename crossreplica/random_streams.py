@@ -106,7 +106,6 @@ class _Local(threading.local):
 
 _local = _Local()
 _install_lock = threading.Lock()
-_watch_lock = threading.Lock()
 #: Held while a replica's state is in a default generator (one op), or while torch.compile compiles.
 _swap_lock = threading.Lock()
 _compiling: int | None = None  # the thread whose compilation holds _swap_lock
@@ -128,6 +127,7 @@ def replica_seed(base: int, replica_id: int) -> int:
 def draw_base() -> int:
     """Draws this run's ``base`` from the calling thread's default CPU generator (the caller's seed)."""
     _install()
+    _watch_compilations()  # once per run, before any replica can compile
     with suspended():
         return int(torch.randint(0, BASE_BOUND, (), device="cpu"))
 
@@ -357,7 +357,7 @@ def _watch_compilations() -> None:
     handler = tp.compile_callbacks
     if handler is None or _compile_started in handler.start_callbacks:
         return
-    with _watch_lock:  # replica threads may get here together: register once
+    with _install_lock:  # callers in several threads: register once
         if _compile_started not in handler.start_callbacks:
             handler.register_start_callback(_compile_started)
             handler.register_end_callback(_compile_ended)
@@ -450,12 +450,10 @@ def _install() -> None:
     """Registers the kernels (once per process, on first use)."""
     global KEY, _AFTER, _EXCLUDE
     if _installed:
-        _watch_compilations()
         return
     with _install_lock:
         if _installed:
             return
-        _watch_compilations()
         name, key, fallback = _pick_key()
         lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
         for op_name, kernel in _kernels():
