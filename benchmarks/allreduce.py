@@ -9,7 +9,9 @@ For each replica count and size, interleaved trials measure side by side:
           that takes N x t_copy(size). The best of 1 and 2 intra-op threads
           is used, so the bound is not flattered.
 Ratios: speed-up over naive (naive / ours) and fraction of the bound
-(bound / ours; 100% would be running at copy bandwidth).
+(bound / ours; 100% would be running at copy bandwidth). On a GPU every loop waits
+for the device once, after its last call, as a training loop does; "host per call"
+is the time the replica's thread spent per call before that wait.
 
     .venv/bin/python benchmarks/allreduce.py            # full table
     .venv/bin/python benchmarks/allreduce.py --quick    # fewer sizes and trials
@@ -44,22 +46,27 @@ def reps_for(nbytes: int, n: int) -> int:
     return max(3, min(3000, int(3e7 / (nbytes * n))))
 
 
-def timed(fn, reps: int, device: torch.device) -> float:
+def timed(fn, reps: int, device: torch.device, host: list[float] | None = None) -> float:
     """Seconds per call of ``fn`` over ``reps`` back-to-back calls, on a GPU up to the end
-    of the work they queued (one wait after the last call, as a training loop waits)."""
+    of the work they queued (one wait after the last call, as a training loop waits).
+    ``host``: on a GPU, gets the seconds per call the host spent queueing them."""
     if device.type != "cuda":
         return timeit(fn, reps)
     torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     for _ in range(reps):
         fn()
+    t1 = time.perf_counter()
     torch.cuda.synchronize(device)
+    if host is not None:
+        host.append((t1 - t0) / reps)
     return (time.perf_counter() - t0) / reps
 
 
-def _loop(x: torch.Tensor, reps: int, op: str) -> float:
+def _loop(x: torch.Tensor, reps: int, op: str) -> tuple[float, float]:
     cr.all_reduce(x, op)  # warm-up: first-touch of the output pages
-    return timed(lambda: cr.all_reduce(x, op), reps, x.device)
+    host: list[float] = []
+    return timed(lambda: cr.all_reduce(x, op), reps, x.device, host), (host or [0.0])[0]
 
 
 _NAIVE = {"sum": lambda t: t.sum(0), "mean": lambda t: t.mean(0), "max": lambda t: t.amax(0),
@@ -106,9 +113,12 @@ def main() -> None:
         for nbytes in sizes:
             reps = reps_for(nbytes, n)
             xs = [torch.randn(nbytes // 4).to(d) for d in devices]
-            ours, naive, copy = [], [], []
+            ours, host, naive, copy = [], [], [], []
             for _ in range(trials):
-                ours.append(strategy.run(_loop, (cr.PerReplica(xs), reps, args.op)).values[0])
+                t, h = (strategy.experimental_local_results(v)[0]
+                        for v in strategy.run(_loop, (cr.PerReplica(xs), reps, args.op)))
+                ours.append(t)
+                host.append(h)
                 naive.append(timed(lambda xs=xs, d=devices[0]: naive_op(torch.stack([x.to(d) for x in xs])), reps,
                                    devices[0]))
                 copy.append(copy_time(nbytes, reps, devices[0]))
@@ -116,10 +126,12 @@ def main() -> None:
             t_bound = n * median(copy)
             points.append({"replicas": n, "bytes": nbytes, "ours": t_ours, "naive": t_naive, "bound": t_bound})
             rows.append([str(n), fmt_size(nbytes), fmt_time(t_ours), fmt_time(t_naive), fmt_time(t_bound),
-                         f"{t_naive / t_ours:.2f}x", f"{100 * t_bound / t_ours:.0f}%"])
+                         f"{t_naive / t_ours:.2f}x", f"{100 * t_bound / t_ours:.0f}%"]
+                        + ([fmt_time(median(host))] if gpus else []))
             print(" | ".join(rows[-1]), flush=True)
     print()
-    print_table(["replicas", "size", "ours", f"naive stack+{args.op}", "traffic bound", "speed-up", "of bound"], rows)
+    print_table(["replicas", "size", "ours", f"naive stack+{args.op}", "traffic bound", "speed-up", "of bound"]
+                + (["host per call"] if gpus else []), rows)
     if not args.no_plot:
         plot_allreduce(points, args.plot, SMOKE_NOTE if args.quick else None)
 

@@ -42,6 +42,8 @@ SYMBOLS = {
     "torch._foreach_copy_", "torch._foreach_add_", "torch._foreach_mul_", "torch._foreach_maximum_",
     "torch._foreach_minimum_", "torch._amp_foreach_non_finite_check_and_unscale_",
     "torch._utils._flatten_dense_tensors", "torch._utils._unflatten_dense_tensors",
+    # GPUs: the in-process collectives' stream reads and fused fold
+    "torch._C._cuda_getCurrentStream", "torch.cuda.jiterator._create_jit_fn",
     # pytree
     "torch.utils._pytree", "torch.utils._pytree.SUPPORTED_NODES", "torch.utils._pytree.GetAttrKey",
     "torch.utils._pytree.SequenceKey", "torch.utils._pytree.MappingKey",

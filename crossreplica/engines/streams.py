@@ -4,15 +4,23 @@ A CUDA kernel is queued on its thread's current stream and runs later. When
 replica threads meet, the thread that computes a collective (the round's leader)
 must not read a replica's input before the kernels that produce it have run on
 that replica's stream, and the replica must not read its output before the
-leader's kernels have run. A :class:`Fence` records an event on every stream a
-thread's tensors live on; the other side makes its own streams wait for it.
-Nothing blocks the host. Outputs used on another stream than the one they were
-allocated on are marked with ``record_stream``, so the caching allocator does
-not hand their memory out again while that stream may still read it.
+leader's kernels have run.
 
-With every thread on the default stream (the common case) the waits are no-ops
-on the GPU; a replica that runs under ``torch.cuda.stream(s)`` gets the same
-bytes as one that does not.
+Every participant of a round is blocked in the rendezvous while the leader works,
+so nothing more is queued on their streams: the leader orders the streams itself.
+Each replica deposits its current stream per device (one cheap read); the leader
+records an event on every stream that is not its own and makes its stream wait for
+it, queues the collective, then records one event on its stream and makes each of
+those streams wait for it before it wakes anyone. Nothing blocks the host, no
+event is created per call (one pair per device, reused: a wait takes the event's
+state when it is queued), and a round where every replica runs on the leader's
+stream (the default stream, the common case) queues no event at all. Outputs used
+on another stream than the one they were allocated on are marked with
+``record_stream``, so the caching allocator does not hand their memory out again
+while that stream may still read it.
+
+A replica that runs under ``torch.cuda.stream(s)`` gets the same bytes as one that
+does not.
 """
 
 from __future__ import annotations
@@ -22,9 +30,16 @@ from typing import Any
 
 import torch
 
+from .. import torch_private as tp
 from .rendezvous import Rendezvous
 
-__all__ = ["Fence", "FencedRounds", "cuda_devices"]
+__all__ = ["FencedRounds", "cuda_devices"]
+
+# A replica's streams: (device, stream data) for each CUDA device its tensors are on, the
+# data as torch._C._cuda_getCurrentStream gives it, (stream id, device index, device type):
+# cheap to read and to compare, where a torch.cuda.Stream object costs microseconds to make.
+_StreamData = tuple[int, int, int]
+_Streams = tuple[tuple[torch.device, _StreamData], ...]
 
 
 def cuda_devices(tensors: Iterable[torch.Tensor]) -> tuple[torch.device, ...]:
@@ -36,68 +51,89 @@ def cuda_devices(tensors: Iterable[torch.Tensor]) -> tuple[torch.device, ...]:
     return tuple(seen)
 
 
-class Fence:
-    """The calling thread's current stream on each of ``devices``, with an event recorded
-    on it now: what the thread has queued so far on those devices."""
+def _stream_data(device: torch.device) -> _StreamData:
+    """The calling thread's current stream on ``device``, as stream data."""
+    if tp.cuda_current_stream_data is not None:
+        return tp.cuda_current_stream_data(device.index)
+    stream = torch.cuda.current_stream(device)
+    return (stream.stream_id, stream.device_index, stream.device_type)
 
-    __slots__ = ("streams", "events")
 
-    def __init__(self, devices: Iterable[torch.device]):
-        self.streams: dict[torch.device, torch.cuda.Stream] = {}
-        self.events: list[tuple[torch.device, torch.cuda.Event]] = []
-        for device in devices:
-            stream = torch.cuda.current_stream(device)
-            event = torch.cuda.Event()
-            event.record(stream)
-            self.streams[device] = stream
-            self.events.append((device, event))
+def _stream(data: _StreamData) -> torch.cuda.Stream:
+    return torch.cuda.Stream(stream_id=data[0], device_index=data[1], device_type=data[2])
 
-    def wait(self) -> None:
-        """The calling thread's current streams wait (on the GPU) for the recorded work."""
-        for device, event in self.events:
-            torch.cuda.current_stream(device).wait_event(event)
 
-    def hand_over(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Marks ``tensors``, made on the calling thread's streams, as used on this fence's
-        streams too (the caching allocator then keeps their memory until both are done)."""
-        for t in tensors:
-            if t.is_cuda:
-                stream = self.streams.get(t.device)
-                if stream is not None and stream != torch.cuda.current_stream(t.device):
-                    t.record_stream(stream)
+def _current_streams(tensors: Sequence[torch.Tensor]) -> _Streams:
+    """The calling thread's current stream on each CUDA device of ``tensors``."""
+    if len(tensors) == 1:  # the common case: one tensor, one device
+        t = tensors[0]
+        return ((t.device, _stream_data(t.device)),) if t.is_cuda else ()
+    return tuple((d, _stream_data(d)) for d in cuda_devices(tensors))
 
 
 class FencedRounds:
     """Rendezvous rounds on CUDA tensors: the leader's streams wait for every replica's
-    inputs, and each replica's streams for the leader's outputs."""
+    inputs, and each replica's streams for the leader's outputs (module docstring)."""
 
     def __init__(self, rendezvous: Rendezvous):
         self.rendezvous = rendezvous
-        self._fences: list[Fence | None] = [None] * rendezvous.n
+        self._streams: list[_Streams] = [()] * rendezvous.n
+        self._inputs_ready: dict[torch.device, torch.cuda.Event] = {}
+        self._outputs_ready: dict[torch.device, torch.cuda.Event] = {}
 
     def exchange(self, i: int, call: Any, tensors: Sequence[torch.Tensor],
                  lead: Callable[[list[Any], list[Any]], Any],
                  outputs: Callable[[Any], Sequence[Sequence[torch.Tensor] | None]] = lambda result: result,
                  timeout: float | None = None) -> Any:
-        """``rendezvous.exchange`` with fences; ``outputs(result)`` lists each replica's
+        """``rendezvous.exchange`` with stream order; ``outputs(result)`` lists each replica's
         output tensors in the leader's ``result`` (default: ``result`` is that list)."""
-        self._fences[i] = Fence(cuda_devices(tensors))
-        result, done = self.rendezvous.exchange(
+        self._streams[i] = _current_streams(tensors)
+        return self.rendezvous.exchange(
             i, call, tensors, lambda calls, payloads: self._lead(lead, outputs, calls, payloads), timeout)
-        done.wait()
-        return result
+
+    @staticmethod
+    def _event(events: dict[torch.device, torch.cuda.Event], device: torch.device) -> torch.cuda.Event:
+        event = events.get(device)
+        if event is None:
+            event = events[device] = torch.cuda.Event()
+        return event
 
     def _lead(self, lead: Callable[[list[Any], list[Any]], Any],
               outputs: Callable[[Any], Sequence[Sequence[torch.Tensor] | None]],
-              calls: list[Any], payloads: list[Any]) -> tuple[Any, Fence]:
-        fences = self._fences
-        for fence in fences:
-            if fence is not None:
-                fence.wait()
+              calls: list[Any], payloads: list[Any]) -> Any:
+        # The streams that are not the leader's own, per replica (every replica is blocked
+        # in this round, so its stream holds exactly the work queued before its call).
+        foreign: list[list[tuple[torch.device, _StreamData]]] = []
+        mine: dict[torch.device, _StreamData] = {}
+        for streams in self._streams:
+            others = []
+            for device, data in streams:
+                own = mine.get(device)
+                if own is None:
+                    own = mine[device] = _stream_data(device)
+                if data != own:
+                    others.append((device, data))
+            foreign.append(others)
+        if not any(foreign):  # every replica on the leader's streams: their order is the queue's
+            return lead(calls, payloads)
+        leader_streams = {device: _stream(data) for device, data in mine.items()}
+        for others in foreign:
+            for device, data in others:
+                event = self._event(self._inputs_ready, device)
+                event.record(_stream(data))
+                leader_streams[device].wait_event(event)
         result = lead(calls, payloads)
-        outs = outputs(result)
-        done = Fence(cuda_devices(t for row in outs if row for t in row))
-        for fence, row in zip(fences, outs):
-            if fence is not None and row:
-                fence.hand_over(row)
-        return result, done
+        done: dict[torch.device, torch.cuda.Event] = {}
+        for others, row in zip(foreign, outputs(result)):
+            on = {}
+            for device, data in others:
+                if device not in done:
+                    done[device] = self._event(self._outputs_ready, device)
+                    done[device].record(leader_streams[device])
+                stream = on[device] = _stream(data)
+                stream.wait_event(done[device])
+            if on and row:
+                for t in row:
+                    if t.is_cuda and t.device in on:
+                        t.record_stream(on[t.device])
+        return result

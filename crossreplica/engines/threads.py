@@ -53,6 +53,7 @@ from .base import (
     scatter_slice,
 )
 from .async_rounds import AsyncRounds
+from . import cuda_fold, multi_gpu
 from .buffer_pool import BufferPool
 from .reduction import reduce_into, reduced
 from .rendezvous import Rendezvous
@@ -222,9 +223,9 @@ class ThreadsEngine(Engine):
         # checked against each other even when every replica passed the same ones.
         if calls.count(call) != len(calls) or call.kind is Kind.ALL_TO_ALL:
             check_agreement(calls, self.local_replica_ids)
-        nbytes = sum(math.prod(s) * d.itemsize for s, d in zip(call.shapes, call.dtypes))
-        parallel = (self.num_replicas > 1 and not self._cuda and nbytes >= self._parallel_bytes
-                    and all(len(g) > 1 for g in call.groups) and call.kind is not Kind.PERMUTE)
+        parallel = (not self._cuda and self.num_replicas > 1 and call.kind is not Kind.PERMUTE
+                    and sum(math.prod(s) * d.itemsize for s, d in zip(call.shapes, call.dtypes)) >= self._parallel_bytes
+                    and all(len(g) > 1 for g in call.groups))
         if is_inplace(call):
             check_inplace(payloads)
         elif parallel:
@@ -283,6 +284,9 @@ class ThreadsEngine(Engine):
                     op: ReduceOp = calls[members[0]].params.op
                     for t in range(len(call.shapes)):
                         xs = [payloads[m][t] for m in members]
+                        if self._cuda and self._one_device:
+                            cuda_fold.reduce_in_place(op, xs)
+                            continue
                         acc = reduced(op, [x.to(xs[0].device) for x in xs])
                         for x in xs:
                             x.copy_(acc)
@@ -306,11 +310,14 @@ class ThreadsEngine(Engine):
             per_member: list[list[torch.Tensor]] = [[] for _ in members]
             for t in leaves:
                 xs = [payloads[m][t] for m in members]
-                home = xs[0].device
-                acc = reduced(op, [x.to(home) for x in xs])
-                for outs, m in zip(per_member, members):
-                    target = payloads[m][t].device
-                    outs.append(acc if not outs and target == home else acc.to(target, copy=True))
+                if all(x.is_cuda for x in xs):  # replicas on several GPUs
+                    column = multi_gpu.all_reduce_column(op, xs)
+                else:
+                    home = xs[0].device
+                    acc = reduced(op, [x.to(home) for x in xs])
+                    column = [acc if j == 0 else acc.to(x.device, copy=True) for j, x in enumerate(xs)]
+                for outs, out in zip(per_member, column):
+                    outs.append(out)
             for m, outs in zip(members, per_member):
                 outputs[m] = outs
         return _Plan(outputs)
@@ -325,6 +332,8 @@ class ThreadsEngine(Engine):
 
     def _reduce_column(self, op: ReduceOp, xs: list[torch.Tensor]) -> Sequence[torch.Tensor]:
         """One leaf's all-reduce on one device: every member's output, in member order."""
+        if self._cuda:
+            return cuda_fold.reduce_column(op, xs)
         if _shares_rows(xs, self._shared_rows_members):  # one buffer, one row per member: no allocation per replica
             buf = torch.empty((len(xs), *xs[0].shape), dtype=xs[0].dtype, device=xs[0].device)
             rows = buf.unbind(0)
