@@ -399,10 +399,10 @@ class FaultTolerance:
         size = ext.broadcast_values([torch.tensor([len(data)], dtype=torch.int64)] * n)
         payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
                    else torch.empty(int(size), dtype=torch.uint8))
-        got = ext.broadcast_values([payload] * n)
+        got = ext.broadcast_values([payload] * n)  # on the replicas' device (a GPU: read back to the CPU)
         if not behind:
             return False, None
-        completed, result = self._state.load(got.numpy().tobytes())
+        completed, result = self._state.load(got.cpu().numpy().tobytes())
         self.completed = completed
         self._last_result = result
         return True, result

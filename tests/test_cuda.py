@@ -8,12 +8,20 @@ products round differently from CPU ones). Several replicas share a GPU where
 there are fewer GPUs than replicas. Worker processes use NCCL when each has a
 GPU of its own, else gloo on the CUDA tensors (``crossreplica.testing``).
 
+The layout-invariant mode and fault tolerance compare layouts with each other bitwise, on
+one GPU under ``torch.use_deterministic_algorithms(True)``, and with plain PyTorch on the GPU
+within float tolerance; their bodies take the device, and pass on the CPU too.
+
 Skipped, with the reason, where no CUDA device is visible.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -22,12 +30,19 @@ import torch.nn.functional as F
 
 import crossreplica as cr
 import crossreplica.testing as crt
+from crossreplica.micro_batches import check_layout, micro_batch_sizes
 from crossreplica.optim import CrossShardOptimizer
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none is visible"),
 ]
+
+# cuBLAS gives the same bits run to run only with a fixed workspace configuration, read when a
+# process first uses cuBLAS (and torch's deterministic mode refuses cuBLAS without it): set here,
+# at collection, before any test touches cuBLAS; worker processes inherit it (their forkserver
+# starts later). It sizes cuBLAS's workspace and changes nothing else.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_two_gpus = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs (one per NCCL process); {GPUS} visible")
@@ -511,3 +526,229 @@ def test_dead_worker_under_nccl_releases_the_other():
     assert not out.ok
     assert out.exitcodes.get(1) == 3
     assert 0 in out.failures  # rank 0 reported a failure instead of hanging
+
+
+# ---------------------------------------------------------------------- the layout-invariant mode
+#
+# Each check is a function of the device ("cuda" here; the same body passes with "cpu"), run under
+# torch.use_deterministic_algorithms(True): the mode's own work (the cut into micro-batches, the
+# tree sums, the buffer means) is elementwise additions, copies and concatenations, which have a
+# deterministic form on the GPU, and the model's kernels must have one too (docs/layout_invariance.md,
+# "On GPUs"). Layouts are compared with each other bitwise on the one GPU; against plain torch on
+# the same device within float tolerance (a GPU run and a CPU run differ in the last bits, and
+# CUDA's dropout masks are not the CPU's).
+
+INVARIANT = cr.LayoutInvariant(micro_batches=4)  # 1, 2 and 4 replicas
+
+
+def _first(device: str) -> str:
+    """The one device every replica of ``device``'s runs shares."""
+    return "cuda:0" if device == "cuda" else "cpu"
+
+
+@contextlib.contextmanager
+def _deterministic():
+    """``torch.use_deterministic_algorithms(True)`` inside, as it was after."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
+def _dropout_net() -> torch.nn.Module:
+    """Linear layers (matrix products), BatchNorm (buffers: the tree mean over the micro-batches)
+    and dropout (each micro-batch's random stream)."""
+    return _seeded(torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                       torch.nn.Dropout(0.25), torch.nn.Linear(32, 5)))
+
+
+def _invariant_data():
+    return _data(rows=30, steps=3)  # 30 rows in 4 micro-batches: 8, 8, 7 and 7 (uneven, and over replicas)
+
+
+def _invariant_step(model, opt, batch):
+    x, y = batch
+    assert x.device == cr.get_replica_context().device  # the micro-batch's rows, on the replica's device
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step(weight=x.shape[0])  # the exact mean by rows over the uneven micro-batches
+
+
+def _invariant_training(strategy, steps, device_type: str) -> dict[str, torch.Tensor]:
+    """The steps in ``strategy``'s layout; the final parameters and buffers, on the CPU."""
+    model = strategy.mirror(_dropout_net())
+    opts = strategy.run(lambda m: CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)),
+                        args=(model,))
+    torch.manual_seed(5)  # every run draws its streams' base from this (one draw per run)
+    for batch in strategy.distribute_dataset(steps):
+        strategy.run(_invariant_step, args=(model, opts, batch))
+    copies = strategy.experimental_local_results(model)
+    for c in copies:
+        assert all(p.device.type == device_type for p in c.parameters())
+        assert all(torch.equal(a, b) for a, b in zip(copies[0].state_dict().values(), c.state_dict().values()))
+    return {k: v.detach().cpu() for k, v in copies[0].state_dict().items()}
+
+
+def _invariant_reference(steps, device: str) -> dict[str, torch.Tensor]:
+    """Plain torch on ``device``, by the mode's rules: micro-batch ``m`` of a step draws its dropout
+    masks as after ``torch.manual_seed(base + m)``, ``base`` that step's draw from the caller's
+    generator; the gradient is the global batch's mean (by rows)."""
+    model = _dropout_net().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    caller = torch.Generator().manual_seed(5)
+    gpus = list(range(torch.cuda.device_count())) if device.startswith("cuda") else []
+    with torch.random.fork_rng(devices=gpus):
+        for x, y in steps:
+            base = int(torch.randint(0, 2**63 - 1, (), generator=caller))
+            opt.zero_grad()
+            total, lo = 0, 0
+            for m, rows in enumerate(micro_batch_sizes(x.shape[0], INVARIANT.micro_batches)):
+                torch.manual_seed(base + m)
+                part = slice(lo, lo + rows)
+                total = total + F.cross_entropy(model(x[part].to(device)), y[part].to(device), reduction="sum")
+                lo += rows
+            (total / x.shape[0]).backward()
+            opt.step()
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def _assert_bitwise(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    different = {k: (got[k] - want[k]).abs().max().item() for k in want if not torch.equal(got[k], want[k])}
+    assert not different, different
+
+
+def check_layout_invariant_training(device: str) -> None:
+    """One device, 2 and 4 replicas sharing it: bitwise the same parameters and buffers; the
+    parameters plain torch's within float tolerance (its running statistics are updated once per
+    micro-batch, the mode's once per step)."""
+    steps = _invariant_data()
+    with _deterministic():
+        one = _invariant_training(cr.OneDeviceStrategy(_first(device), layout_invariant=INVARIANT), steps, device)
+        for n in (2, 4):
+            strategy = cr.MirroredStrategy(devices=[_first(device)] * n, layout_invariant=INVARIANT)
+            _assert_bitwise(one, _invariant_training(strategy, steps, device))
+        reference = _invariant_reference(steps, _first(device))
+    initial = dict(_dropout_net().named_parameters())
+    assert all(not torch.equal(one[k], initial[k]) for k in initial if k.endswith("weight"))  # it trained
+    for k in initial:
+        torch.testing.assert_close(one[k], reference[k], rtol=1e-4, atol=1e-5)
+
+
+def test_layout_invariant_training_is_bitwise_on_one_gpu_and_on_2_and_4_replicas_sharing_it():
+    check_layout_invariant_training("cuda")
+
+
+def _invariant_worker(strategy, steps, device_type: str) -> dict[str, torch.Tensor]:
+    """A worker's part of the training (``run_workers``); the pool's strategy switched to the mode
+    as its constructor argument would."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the pool's workers are fresh: before cuBLAS
+    torch.use_deterministic_algorithms(True)
+    strategy.extended.layout_invariant = check_layout(INVARIANT, strategy.num_replicas_in_sync)
+    return _invariant_training(strategy, steps, device_type)
+
+
+def check_layout_invariant_training_on_processes(device: str, workers: int, per_worker: int) -> None:
+    """``workers`` processes x ``per_worker`` replicas on ``device`` (gloo on the CUDA tensors where
+    the workers share a GPU): bitwise the parameters of one device in this process."""
+    steps = _invariant_data()
+    with _deterministic():
+        one = _invariant_training(cr.OneDeviceStrategy(_first(device), layout_invariant=INVARIANT), steps, device)
+    outs = crt.run_workers(_invariant_worker, workers, per_worker, args=(steps, device), device=device)
+    assert len(outs) == workers
+    for got in outs:
+        _assert_bitwise(one, got)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("workers,per_worker", [(2, 1), (2, 2)], ids=["2x1", "2x2"])
+def test_layout_invariant_training_on_processes_is_bitwise_as_on_one_gpu(workers, per_worker):
+    check_layout_invariant_training_on_processes("cuda", workers, per_worker)
+
+
+def _put(x):
+    # put_ (accumulate=False) has no deterministic form, on the CPU or on a GPU; on GPUs so
+    # have e.g. float cumsum, histc and a 4-d input's NLLLoss (torch.use_deterministic_algorithms)
+    return torch.zeros(4, device=x.device).put_(torch.tensor([0], device=x.device), x[:1, 0])
+
+
+def check_a_kernel_without_a_deterministic_form_fails_the_run(device: str) -> None:
+    """The mode does not make a kernel deterministic: torch's error, raised in the replicas,
+    is the run's error."""
+    with _deterministic():
+        strategy = cr.MirroredStrategy(devices=[_first(device)] * 2, layout_invariant=INVARIANT)
+        batch = next(iter(strategy.distribute_dataset([torch.randn(8, 3)])))
+        with pytest.raises(RuntimeError, match="put_ does not have a deterministic implementation"):
+            strategy.run(_put, args=(batch,))
+
+
+def test_a_kernel_without_a_deterministic_form_fails_the_run_on_cuda():
+    check_a_kernel_without_a_deterministic_form_fails_the_run("cuda")
+
+
+# ---------------------------------------------------------------------- fault tolerance
+#
+# tests/support/fault_points.py under `crossreplica launch`, as tests/test_fault_tolerance.py runs
+# it, with every worker's replica on the GPUs (three workers share one GPU: gloo carries the CUDA
+# tensors; NCCL cannot put two ranks on a GPU), in the layout-invariant mode, with dropout and
+# torch.use_deterministic_algorithms(True).
+
+
+def run_fault_points(out, device: str, how: str = "kill", lose_at_step: int = 0) -> subprocess.CompletedProcess:
+    """3 workers of fault_points.py on ``device``; worker 1 lost in the forward pass of step
+    ``lose_at_step`` (0: never) by ``how`` ("kill", or "rejoin": killed and started again to join)."""
+    from harness import SUPPORT, subprocess_env
+
+    cmd = [sys.executable, "-m", "crossreplica.cli", "launch", "--workers", "3", "--grace-seconds", "3",
+           "--max-restarts", "1" if how == "rejoin" else "0", "--",
+           sys.executable, os.path.join(SUPPORT, "fault_points.py"), str(out), "invariant",
+           "forward" if lose_at_step else "none", how, str(lose_at_step)]
+    env = {**subprocess_env(), "CROSSREPLICA_TIMEOUT": "30", "FAULT_POINTS_DEVICE": device,
+           "FAULT_POINTS_DETERMINISTIC": "1", "FAULT_POINTS_DROPOUT": "0.2",
+           "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    # Its own session: a launcher past its time is killed with its workers (which hold the GPU).
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=80)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    assert proc.returncode == 0, stderr
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def check_a_lost_worker_regroups_and_ends_bitwise(tmp_path, device: str, how: str,
+                                                  uninterrupted: dict[str, torch.Tensor]) -> None:
+    out = tmp_path / f"{how}.pt"
+    done = run_fault_points(out, device, how, lose_at_step=2)
+    assert "worker 1 exited" in done.stderr, done.stderr
+    assert done.stderr.count("lost workers [1] during step 2") == 2, done.stderr  # both survivors
+    assert done.stderr.count("regrouped into 2 workers") == 2, done.stderr
+    assert done.stderr.count("redoing step 2 on the survivors") == 2, done.stderr
+    if how == "rejoin":  # worker 1, started again, joined as worker 3 and took the live state
+        assert done.stderr.count("admitted joining workers [3] as step") == 2, done.stderr
+        assert "worker 3: joined the running job as step" in done.stderr, done.stderr
+        _assert_bitwise(torch.load(out), torch.load(f"{out}.worker3"))
+    for survivor in (0, 2):  # each survivor finished, at the uninterrupted run's bits
+        _assert_bitwise(uninterrupted, torch.load(f"{out}.worker{survivor}"))
+    _assert_bitwise(uninterrupted, torch.load(out))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_on_cuda(tmp_path_factory):
+    """fault_points.py's final parameters on the GPU when no worker is lost."""
+    out = tmp_path_factory.mktemp("ft_cuda") / "uninterrupted.pt"
+    run_fault_points(out, "cuda")
+    return torch.load(out)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("how", ["kill", "rejoin"])
+def test_a_worker_lost_on_cuda_regroups_on_the_survivors_and_ends_bitwise_at_the_uninterrupted_run(
+        tmp_path, uninterrupted_on_cuda, how):
+    check_a_lost_worker_regroups_and_ends_bitwise(tmp_path, "cuda", how, uninterrupted_on_cuda)

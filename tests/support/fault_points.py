@@ -13,6 +13,15 @@ survivors pace their steps until it is back). STEP counts from 1. The chief writ
 the final parameters to OUT, every worker its own to OUT.workerN (N: its identity).
 FAULT_POINTS_LOCAL_REPLICAS (default 1): in-process replicas per worker (the
 layout-invariant mode then has 6 micro-batches per local replica).
+FAULT_POINTS_DEVICE (default cpu): cpu, or cuda for the replicas on the GPUs, gloo
+carrying the CUDA tensors (local replica i of the worker with LOCAL_RANK w on
+cuda:(w * local + i) % GPUs; workers may share a GPU, which NCCL cannot).
+FAULT_POINTS_DETERMINISTIC=1: ``torch.use_deterministic_algorithms(True)``, which a
+bitwise comparison on CUDA needs (with CUBLAS_WORKSPACE_CONFIG=:4096:8 in the
+environment, for cuBLAS). The saved parameters are CPU tensors either way.
+FAULT_POINTS_DROPOUT (default 0): a dropout layer of that probability after the first
+hidden layer (in the layout-invariant mode each micro-batch draws its own masks, so
+the step redone on fewer workers draws the same ones).
 """
 
 import logging
@@ -40,10 +49,21 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     out, mode, point, how, lose_step = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
     local = int(os.environ.get("FAULT_POINTS_LOCAL_REPLICAS", "1"))
+    device = os.environ.get("FAULT_POINTS_DEVICE", "cpu")
+    if os.environ.get("FAULT_POINTS_DETERMINISTIC") == "1":
+        torch.use_deterministic_algorithms(True)
+    devices = None  # gloo's default: the CPU
+    if device == "cuda":
+        first = int(os.environ.get("LOCAL_RANK", "0")) * local
+        devices = [f"cuda:{(first + i) % torch.cuda.device_count()}" for i in range(local)]
+    elif device != "cpu":
+        raise ValueError(f"FAULT_POINTS_DEVICE must be cpu or cuda; got {device!r}")
     layout = cr.LayoutInvariant(micro_batches=6 * local, results="sum") if mode == "invariant" else None
-    strategy = cr.MultiWorkerMirroredStrategy(local, backend="gloo", layout_invariant=layout)
+    strategy = cr.MultiWorkerMirroredStrategy(local, backend="gloo", devices=devices, layout_invariant=layout)
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
+    dropout = float(os.environ.get("FAULT_POINTS_DROPOUT", "0"))
+    net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), *([nn.Dropout(dropout)] if dropout else []),
+                        nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
     model = strategy.mirror(net)
     opts = strategy.run(lambda m: cr.CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
                                                          overlap=layout is None, bytes_per_pack=1024),
@@ -87,7 +107,11 @@ def main() -> None:
                 lose_worker(ft, point, how, "checkpoint", 2, lose_step)
                 cr.save(out + ".ckpt", {"model": model, "opt": opts})
             ft.call(save)
-    params = strategy.experimental_local_results(model)[0].state_dict()
+    copies = strategy.experimental_local_results(model)
+    placed = {p.device.type for c in copies for p in (*c.parameters(), *c.buffers())}
+    if placed != {device}:
+        raise RuntimeError(f"the model's copies ended on {sorted(placed)}, not on {device}")
+    params = {k: v.cpu() for k, v in copies[0].state_dict().items()}
     torch.save(params, f"{out}.worker{ft.identity}")
     if strategy.extended.input_pipeline_id == 0:
         torch.save(params, out)
