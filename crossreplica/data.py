@@ -25,11 +25,23 @@ over a map-style dataset is sharded by index: each worker reads and collates
 only its replicas' rows of each global batch (:mod:`crossreplica.input_shards`);
 any other iterable is read whole by every worker.
 
+Two habits of other systems would split a batch that is already split, and are
+caught where they are cheap to see. A loader that draws its indices from a
+``torch.utils.data.DistributedSampler`` (DDP's per-rank loader) yields one
+worker's share of each batch, so ``distribute_dataset`` refuses it (a
+ValueError naming both fixes) rather than train on a fraction of the data; and
+the first global batch of a dataset whose tensors all look like JAX pmap's
+stacked ``(replicas, per_replica_batch, ...)`` (one row per replica, a common
+size along dim 1, features after it) gets a ``cr.logs.PortingWarning``.
+
 ``distribute_datasets_from_function`` instead calls ``fn(InputContext)`` once
 per input pipeline (one per worker; one in-process); the pipeline yields
 per-replica batches, and its local replicas take whole elements in turn, as
 TF does (a last step with fewer elements than replicas gives the others empty
-batches). ``experimental_distribute_values_from_function`` calls
+batches): a per-worker loader, a DDP one included, belongs here (its
+``DistributedSampler`` must then be the pipeline's: ``num_replicas`` and ``rank``
+are ``ctx.num_input_pipelines`` and ``ctx.input_pipeline_id``, else a ValueError).
+``experimental_distribute_values_from_function`` calls
 ``fn(ValueContext)`` once per local replica.
 """
 
@@ -37,6 +49,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import warnings
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -45,7 +58,8 @@ import torch
 from . import nest
 from .arguments import check_int
 from .errors import summarize
-from .input_shards import ShardedLoader, shardable, split_sizes
+from .input_shards import ShardedLoader, distributed_sampler, shardable, split_sizes
+from .logs import PortingWarning
 from .values import DistributedValues, PerReplica, regroup
 
 if TYPE_CHECKING:
@@ -271,6 +285,7 @@ class DistributedDataset:
         self._sharded = (ShardedLoader(source, ext.num_replicas_in_sync, ext.local_replica_ids, ext.batch_split)
                          if not from_function and ext.num_input_pipelines > 1 and shardable(source) else None)
         self._uneven_seen = False
+        self._stacked_checked = from_function or ext.num_replicas_in_sync == 1
 
     @property
     def sharded(self) -> bool:
@@ -286,6 +301,8 @@ class DistributedDataset:
             keep = list(ext.local_replica_ids)
             for batch, rows in self._sharded:
                 sizes = ext.batch_split(rows)
+                if not self._stacked_checked:
+                    self._check_stacked(nest.flatten(batch, is_leaf=_is_plain_sequence)[0], sizes)
                 if rows % len(sizes) and not self._uneven_seen:
                     self._log_uneven(rows, sizes)
                 yield distribute_batch(batch, len(keep), None, devices, [sizes[p] for p in keep],
@@ -295,12 +312,33 @@ class DistributedDataset:
             invariant = ext.layout_invariant is not None
             for batch in self._source:
                 sizes = None
-                if invariant or (not self._uneven_seen and _log.isEnabledFor(logging.INFO)):
-                    rows = _rows(nest.flatten(batch, is_leaf=_is_plain_sequence)[0], batch)
+                first = not self._stacked_checked
+                if invariant or first or (not self._uneven_seen and _log.isEnabledFor(logging.INFO)):
+                    leaves = nest.flatten(batch, is_leaf=_is_plain_sequence)[0]
+                    rows = _rows(leaves, batch)
                     sizes = ext.batch_split(rows)
-                    if rows % parts and not self._uneven_seen:
+                    if first:
+                        self._check_stacked(leaves, sizes)
+                    if rows % parts and not self._uneven_seen and _log.isEnabledFor(logging.INFO):
                         self._log_uneven(rows, sizes)
                 yield distribute_batch(batch, parts, keep, devices, sizes if invariant else None, wrap=invariant)
+
+    def _check_stacked(self, leaves: list[Any], sizes: list[int]) -> None:
+        """A PortingWarning when the dataset's first global batch (``leaves``, split into
+        ``sizes`` rows per replica) looks like a pmap-style stacked batch."""
+        self._stacked_checked = True
+        shapes = _stacked_shapes(leaves, sizes)
+        if shapes is None:
+            return
+        n = len(sizes)
+        warnings.warn(
+            f"strategy.distribute_dataset got a global batch of {n} rows for {n} replicas in sync, so each "
+            f"replica gets a batch of one row (tensor shapes {shapes}): this looks like a JAX pmap-style stacked "
+            f"batch (replicas, per_replica_batch, ...). distribute_dataset splits a global batch along dim 0, its "
+            f"rows: pass the rows themselves (x.flatten(0, 1), a global batch of {n * shapes[0][1]} rows), or hand "
+            f"each replica its slice with strategy.experimental_distribute_values_from_function(lambda ctx: "
+            f"x[ctx.replica_id_in_sync_group]). If a global batch of {n} rows is what you mean, silence this with "
+            f"warnings.filterwarnings(\"ignore\", category=cr.logs.PortingWarning)", PortingWarning, stacklevel=3)
 
     def _log_uneven(self, rows: int, sizes: list[int]) -> None:
         self._uneven_seen = True
@@ -320,6 +358,21 @@ class DistributedDataset:
 
     def __repr__(self) -> str:
         return f"DistributedDataset({self._source!r}, strategy={self._strategy!r})"
+
+
+def _stacked_shapes(leaves: list[Any], sizes: list[int]) -> list[list[int]] | None:
+    """The global shapes of a batch's tensors (``leaves``, split into ``sizes`` rows per
+    replica) when it looks like JAX pmap's stacked ``(replicas, per_replica_batch, ...)``:
+    one row per replica, and every tensor with a per-replica batch dimension 1 of one
+    size above 1 (so labels of shape ``(rows,)`` and a grayscale channel rule it out), one
+    with features after it; else None."""
+    if len(sizes) < 2 or any(n != 1 for n in sizes):
+        return None
+    shapes = [[len(sizes), *leaf.shape[1:]] for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    if not shapes or any(len(s) < 2 for s in shapes) or max(len(s) for s in shapes) < 3:
+        return None
+    per_replica = {s[1] for s in shapes}
+    return shapes if len(per_replica) == 1 and per_replica.pop() > 1 else None
 
 
 def _take_in_turn(it: Iterator[Any], devices: list[Any]) -> Iterator[Any]:
@@ -386,7 +439,36 @@ def distribute_dataset(strategy: "Strategy", iterable: Any) -> DistributedDatase
         raise ValueError(
             f"dataset must be an iterable of global batches (a DataLoader, a list of tensors or "
             f"nests); got {type(iterable).__name__}: {summarize(iterable)}")
+    _check_global_loader(strategy, iterable)
     return DistributedDataset(strategy, iterable)
+
+
+def _check_global_loader(strategy: "Strategy", source: Any) -> None:
+    """Refuses a loader of one worker's share (a DistributedSampler over several ranks, DDP's
+    per-rank loader): split again over the replicas it would train on a fraction of the data."""
+    ext = strategy.extended
+    sampler = distributed_sampler(source)
+    if sampler is None or sampler.num_replicas == 1 or ext.num_replicas_in_sync == 1:
+        return
+    shares = sampler.num_replicas
+    batch = getattr(source, "batch_size", None) or getattr(getattr(source, "batch_sampler", None), "batch_size", None)
+    whole = (f"batch_size={batch * shares}" if isinstance(batch, int) and not isinstance(batch, bool)
+             else "batch_size=<the global batch>")
+    if ext.num_input_pipelines > 1:
+        own = (f"num_replicas=ctx.num_input_pipelines, rank=ctx.input_pipeline_id: {ext.num_input_pipelines} and "
+               f"{ext.input_pipeline_id} here, DistributedSampler's defaults under torchrun")
+    else:
+        own = "one input pipeline here: drop the sampler, or give it num_replicas=1"
+    raise ValueError(
+        f"strategy.distribute_dataset takes a loader of global batches, but this {type(source).__name__} draws its "
+        f"indices from a torch.utils.data.DistributedSampler (num_replicas={shares}, rank={sampler.rank}): each of "
+        f"its batches is already one of {shares} shares (DDP's per-rank loader), and splitting it again over the "
+        f"{ext.num_replicas_in_sync} replicas in sync would train on 1/{shares} of the data. Either pass a loader "
+        f"of the whole dataset without the sampler, DataLoader(dataset, {whole}, shuffle=...), whose global batches "
+        f"distribute_dataset splits over the replicas (across workers each worker reads only its replicas' rows); "
+        f"or keep the per-worker loader and pass it as strategy.distribute_datasets_from_function(lambda ctx: "
+        f"loader): each of its batches is then one replica's, and its sampler must be the pipeline's "
+        f"({own})")
 
 
 def input_context(strategy: "Strategy") -> InputContext:
@@ -405,7 +487,23 @@ def distribute_datasets_from_function(strategy: "Strategy",
         raise ValueError(
             f"dataset_fn must return an iterable of per-replica batches for this input pipeline; it "
             f"returned {type(source).__name__}: {summarize(source)}")
+    _check_pipeline_sampler(input_context(strategy), source)
     return DistributedDataset(strategy, source, from_function=True)
+
+
+def _check_pipeline_sampler(ctx: InputContext, source: Any) -> None:
+    """Refuses an input pipeline whose DistributedSampler is not this pipeline's share: the
+    pipelines together would not read the dataset once per epoch."""
+    sampler = distributed_sampler(source)
+    if sampler is None or (sampler.num_replicas, sampler.rank) == (ctx.num_input_pipelines, ctx.input_pipeline_id):
+        return
+    raise ValueError(
+        f"dataset_fn returned a {type(source).__name__} whose torch.utils.data.DistributedSampler has "
+        f"num_replicas={sampler.num_replicas}, rank={sampler.rank}, but it feeds input pipeline "
+        f"{ctx.input_pipeline_id} of {ctx.num_input_pipelines} (one per worker process; its local replicas take "
+        f"its batches in turn), so the pipelines together would not read the dataset once per epoch. Build the "
+        f"sampler from the context: DistributedSampler(dataset, num_replicas=ctx.num_input_pipelines, "
+        f"rank=ctx.input_pipeline_id)")
 
 
 def distribute_values_from_function(strategy: "Strategy", value_fn: Callable[[ValueContext], Any]) -> Any:

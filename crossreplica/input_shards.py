@@ -21,9 +21,9 @@ import collections
 from typing import Any
 from collections.abc import Callable, Iterator, Sequence
 
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 
-__all__ = ["split_sizes", "shardable", "ShardedLoader"]
+__all__ = ["split_sizes", "shardable", "distributed_sampler", "ShardedLoader"]
 
 # DataLoader settings a sharded loader copies from the original (those it has).
 _LOADER_SETTINGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
@@ -43,6 +43,22 @@ def shardable(source: Any) -> bool:
     return (isinstance(source, DataLoader) and source.batch_sampler is not None
             and not isinstance(source.dataset, IterableDataset)
             and hasattr(source.dataset, "__len__") and getattr(source, "in_order", True))
+
+
+def distributed_sampler(source: Any) -> DistributedSampler | None:
+    """The ``torch.utils.data.DistributedSampler`` that ``source`` (a DataLoader or a sampler)
+    draws its indices from: itself, its ``sampler`` or ``batch_sampler``, or theirs (a
+    ``BatchSampler``'s sampler), a few levels down; None if there is none."""
+    level = [source]
+    for _ in range(4):
+        below = []
+        for obj in level:
+            if isinstance(obj, DistributedSampler):
+                return obj
+            if isinstance(obj, (DataLoader, Sampler)):
+                below += [getattr(obj, name, None) for name in ("batch_sampler", "sampler")]
+        level = [obj for obj in below if obj is not None]
+    return None
 
 
 class _ShardSampler:

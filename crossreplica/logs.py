@@ -13,7 +13,8 @@ and the slow-collective warning costs a waiter nothing until it has waited
 Misuse that still works is reported with ``warnings.warn`` and one of the
 categories shown here (all subclasses of :class:`CrossReplicaWarning`, a
 ``UserWarning``; defined in ``errors.py`` beside the exceptions, so that
-``settings.py`` can warn too), so ``warnings.filterwarnings`` can silence or
+``settings.py`` can warn too; :class:`PortingWarning`, which only the layers
+above warn with, is defined here), so ``warnings.filterwarnings`` can silence or
 escalate them.
 """
 
@@ -25,7 +26,7 @@ from . import settings
 from .errors import (CollectiveMismatchError, CollectiveTimeoutError, ConfigurationWarning, CrossReplicaWarning,
                      ReplicaAborted, ReplicasDivergeWarning, SharedModuleWarning, UnsyncedBuffersWarning)
 
-__all__ = ["LOGGER_NAME", "SLOW_SECONDS_ENV", "ConfigurationWarning", "CrossReplicaWarning",
+__all__ = ["LOGGER_NAME", "SLOW_SECONDS_ENV", "ConfigurationWarning", "CrossReplicaWarning", "PortingWarning",
            "ReplicasDivergeWarning", "SharedModuleWarning", "UnsyncedBuffersWarning", "replica_failed", "report",
            "slow_seconds"]
 
@@ -35,6 +36,13 @@ LOGGER_NAME = "crossreplica"
 SLOW_SECONDS_ENV = settings.SLOW_SECONDS
 #: Without SLOW_SECONDS_ENV: a tenth of the collective timeout, at most this many seconds.
 MAX_DEFAULT_SLOW_SECONDS = 10.0
+
+
+class PortingWarning(CrossReplicaWarning):
+    """Code written for another system's layout that crossreplica translated or suspects: a
+    ``torch.nn.SyncBatchNorm`` that ``strategy.mirror`` made a ``cr.nn.SyncBatchNorm``, a global
+    batch that looks like JAX ``pmap``'s stacked ``(replicas, per_replica_batch, ...)`` one."""
+
 
 _root = logging.getLogger(LOGGER_NAME)
 if not any(isinstance(h, logging.NullHandler) for h in _root.handlers):

@@ -35,7 +35,8 @@ from .context import current_replica_context
 from .groups import Groups, contiguous_groups, group_of, resolve_groups
 from .errors import ReplicaContextError, summarize
 
-__all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "compute_average_loss", "scale_regularization_loss"]
+__all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "replace_torch_sync_batchnorm", "compute_average_loss",
+           "scale_regularization_loss"]
 
 
 # What convert_sync_batchnorm carries over (absent ones are None: no affine, no running stats).
@@ -180,21 +181,28 @@ class SyncBatchNorm(BatchNormBase):
             raise TypeError(f"module must be a torch.nn.Module; got {summarize(module)}")
         out = module
         if isinstance(module, BatchNormBase) and not isinstance(module, cls):
-            out = cls(module.num_features, module.eps, module.momentum, module.affine,
-                      module.track_running_stats, group_assignment=group_assignment,
-                      num_shards_per_group=num_shards_per_group, bias=module.bias is not None,
-                      device="meta")
-            # the old layer's tensors themselves (torch does the same)
-            for name in _BATCH_NORM_PARAMETERS:
-                out.register_parameter(name, getattr(module, name))
-            for name in _BATCH_NORM_BUFFERS:
-                out.register_buffer(name, getattr(module, name))
-            out.training = module.training
-            if hasattr(module, "qconfig"):
-                out.qconfig = module.qconfig
+            out = cls._taking_over(module, group_assignment, num_shards_per_group)
         for name, child in module.named_children():
             out.add_module(name, cls.convert_sync_batchnorm(
                 child, group_assignment, num_shards_per_group=num_shards_per_group))
+        return out
+
+    @classmethod
+    def _taking_over(cls, module: BatchNormBase, group_assignment: Any = None,
+                     num_shards_per_group: int | None = None) -> "SyncBatchNorm":
+        """A SyncBatchNorm with ``module``'s hyper-parameters, its tensors themselves (as
+        torch's conversion keeps them), its training flag and ``qconfig``."""
+        out = cls(module.num_features, module.eps, module.momentum, module.affine,
+                  module.track_running_stats, group_assignment=group_assignment,
+                  num_shards_per_group=num_shards_per_group, bias=module.bias is not None,
+                  device="meta")
+        for name in _BATCH_NORM_PARAMETERS:
+            out.register_parameter(name, getattr(module, name))
+        for name in _BATCH_NORM_BUFFERS:
+            out.register_buffer(name, getattr(module, name))
+        out.training = module.training
+        if hasattr(module, "qconfig"):
+            out.qconfig = module.qconfig
         return out
 
     def extra_repr(self) -> str:
@@ -210,6 +218,45 @@ def convert_sync_batchnorm(module: tnn.Module, group_assignment: Any = None, *,
                            num_shards_per_group: int | None = None) -> tnn.Module:
     """``SyncBatchNorm.convert_sync_batchnorm``: every BatchNorm layer of ``module`` made a SyncBatchNorm."""
     return SyncBatchNorm.convert_sync_batchnorm(module, group_assignment, num_shards_per_group=num_shards_per_group)
+
+
+def replace_torch_sync_batchnorm(module: tnn.Module) -> tuple[tnn.Module, list[str]]:
+    """``module`` with every ``torch.nn.SyncBatchNorm`` replaced by a :class:`SyncBatchNorm`
+    over every replica in sync, and the names of the replaced layers (``""``: ``module``
+    itself, which is then the one object not changed in place).
+
+    torch's layer syncs over torch.distributed's ranks, which are processes: on in-process
+    replicas it normalises each replica's rows alone (no process group), and across
+    processes on CPU it fails. The new layers take over the old ones' tensors and
+    hyper-parameters (:meth:`SyncBatchNorm.convert_sync_batchnorm`'s rule), so the state
+    dict, the parameters an optimizer holds and the numbers of whole-batch BatchNorm are
+    kept; a layer shared by several parents becomes one new layer. Other layers (plain
+    BatchNorm, cr's SyncBatchNorm) stay as they are.
+
+    Raises:
+        ValueError: a layer syncs over its own ``process_group``: ranks of processes are not
+            replica ids, so the group cannot be carried over.
+    """
+    found = [(name, m) for name, m in module.named_modules(remove_duplicate=True)
+             if isinstance(m, tnn.SyncBatchNorm)]
+    if not found:
+        return module, []
+    for name, layer in found:
+        if layer.process_group is not None:
+            where = f"layer {name!r}" if name else "the module"
+            raise ValueError(
+                f"{where} is a torch.nn.SyncBatchNorm with process_group={layer.process_group!r}; torch.distributed's "
+                f"ranks are processes, not crossreplica's replicas, so that group cannot be carried over. Convert it "
+                f"before strategy.mirror with cr.nn.convert_sync_batchnorm(model, group_assignment=...), which "
+                f"takes replica ids ([[0, 1], [2, 3]])")
+    new = {id(layer): SyncBatchNorm._taking_over(layer) for _, layer in found}
+    if id(module) in new:
+        return new[id(module)], [""]
+    places = [name for name, m in module.named_modules(remove_duplicate=False) if id(m) in new]
+    for name in places:  # every place of a shared layer, which named_children would give once
+        parent, _, child = name.rpartition(".")
+        module.get_submodule(parent).add_module(child, new[id(module.get_submodule(name))])
+    return module, [name for name, _ in found]
 
 
 # ------------------------------------------------------------------ TF's loss scaling (tf.nn)

@@ -1,10 +1,13 @@
 """Distributed input: splitting global batches, InputContext, input functions."""
 
 import collections
+import warnings
 
 import numpy as np
 import pytest
 import torch
+
+from harness import run_layout
 
 import crossreplica as cr
 from crossreplica.data import split_batch, split_sizes
@@ -236,3 +239,90 @@ def test_dataset_fn_errors():
         s.distribute_datasets_from_function([1, 2])
     with pytest.raises(ValueError, match="dataset_fn must return an iterable"):
         s.distribute_datasets_from_function(lambda ctx: 3)
+
+
+# ------------------------------------------------------------------ a JAX pmap-style stacked batch
+
+LAYOUTS = [
+    pytest.param(("threads", 1, 4), id="threads-1x4"),
+    pytest.param(("processes", 2, 2), id="processes-2x2", marks=pytest.mark.multiprocess),
+]
+
+
+def _porting_warnings(fn):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = fn()
+    return out, [w for w in seen if issubclass(w.category, cr.logs.PortingWarning)]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_pmap_stacked_batch_warns_once_per_dataset(n):
+    s = strategy(n)
+    x, y = torch.randn(n, 5, 3), torch.randn(n, 5)  # (replicas, per_replica_batch, ...)
+    dataset = s.distribute_dataset([(x, y)] * 3)
+    batches, seen = _porting_warnings(lambda: list(dataset))
+    assert len(batches) == 3 and len(seen) == 1
+    assert str(seen[0].message) == (
+        f"strategy.distribute_dataset got a global batch of {n} rows for {n} replicas in sync, so each replica gets "
+        f"a batch of one row (tensor shapes [[{n}, 5, 3], [{n}, 5]]): this looks like a JAX pmap-style stacked batch "
+        f"(replicas, per_replica_batch, ...). distribute_dataset splits a global batch along dim 0, its rows: pass "
+        f"the rows themselves (x.flatten(0, 1), a global batch of {5 * n} rows), or hand each replica its slice with "
+        f"strategy.experimental_distribute_values_from_function(lambda ctx: x[ctx.replica_id_in_sync_group]). If a "
+        f"global batch of {n} rows is what you mean, silence this with "
+        f"warnings.filterwarnings(\"ignore\", category=cr.logs.PortingWarning)")
+    assert seen[0].filename == __file__  # the loop over the dataset
+    # both fixes give each replica its 5 rows
+    for fixed in (next(iter(s.distribute_dataset([(x.flatten(0, 1), y.flatten(0, 1))]))),
+                  s.experimental_distribute_values_from_function(lambda ctx: (x[ctx.replica_id_in_sync_group],
+                                                                              y[ctx.replica_id_in_sync_group]))):
+        parts = s.experimental_local_results(fixed[0])
+        assert [tuple(p.shape) for p in parts] == [(5, 3)] * n
+        assert all(torch.equal(p, x[i]) for i, p in enumerate(parts))
+
+
+@pytest.mark.parametrize("batch", [
+    pytest.param((torch.randn(2, 3), torch.randn(2)), id="rows-and-labels"),
+    pytest.param((torch.randn(2, 3, 8, 8), torch.arange(2)), id="images-and-labels"),
+    pytest.param(torch.randn(2, 1, 8, 8), id="grayscale-images"),
+    pytest.param({"input_ids": torch.zeros(2, 16, dtype=torch.long), "labels": torch.zeros(2, 16)}, id="tokens"),
+    pytest.param((torch.randn(4, 5, 3), torch.randn(4, 5)), id="more-rows-than-replicas"),
+    pytest.param((torch.randn(2, 5, 3), torch.randn(2, 4)), id="per-replica-sizes-differ"),
+])
+def test_ordinary_batches_of_as_many_rows_as_replicas_do_not_warn(batch):
+    s = strategy(2)
+    _, seen = _porting_warnings(lambda: list(s.distribute_dataset([batch])))
+    assert seen == []
+
+
+def test_input_functions_and_one_replica_do_not_warn():
+    stacked = torch.randn(2, 5, 3)
+    _, seen = _porting_warnings(lambda: list(strategy(2).distribute_datasets_from_function(lambda ctx: [stacked] * 2)))
+    assert seen == []
+    _, seen = _porting_warnings(lambda: list(cr.OneDeviceStrategy().distribute_dataset([stacked[:1]])))
+    assert seen == []
+
+
+class _Sequences(torch.utils.data.Dataset):
+    """Items of shape (5, 3): a DataLoader of 4 stacks them like pmap's per-device batches."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((5, 3), float(i))
+
+
+def _stacked_loader_main(strategy) -> list[str]:
+    loader = torch.utils.data.DataLoader(_Sequences(), batch_size=strategy.num_replicas_in_sync)
+    dataset = strategy.distribute_dataset(loader)
+    _, seen = _porting_warnings(lambda: [list(dataset), list(dataset)])
+    return [str(w.message) for w in seen]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_stacked_batch_from_a_sharded_loader_warns_on_every_worker(layout):
+    for messages in run_layout(_stacked_loader_main, layout):
+        assert len(messages) == 1
+        assert messages[0].startswith("strategy.distribute_dataset got a global batch of 4 rows for 4 replicas in "
+                                      "sync, so each replica gets a batch of one row (tensor shapes [[4, 5, 3]])")

@@ -1,10 +1,13 @@
 """SyncBatchNorm equals one-device BatchNorm on the concatenated group batch."""
 
 import copy
+import warnings
 
 import pytest
 import torch
 from torch import nn
+
+from harness import run_layout
 
 import crossreplica as cr
 from crossreplica.engines.base import Kind
@@ -169,3 +172,126 @@ def test_single_value_per_channel_in_group():
     layers = s.mirror(cr.nn.SyncBatchNorm(2))
     with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
         s.run(lambda m, x: m(x), args=(layers, cr.PerReplica([torch.randn(1, 2), torch.randn(0, 2)])))
+
+
+# ------------------------------------------------------------------ torch's SyncBatchNorm handed to mirror
+
+LAYOUTS = [
+    pytest.param(("threads", 1, 2), id="threads-1x2"),
+    pytest.param(("processes", 2, 1), id="processes-2x1", marks=pytest.mark.multiprocess),
+    pytest.param(("processes", 2, 2), id="processes-2x2", marks=pytest.mark.multiprocess),
+]
+
+
+def _bn_net() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 1))
+
+
+def _bn_batches() -> list:
+    g = torch.Generator().manual_seed(4)
+    return [(torch.randn(8, 3, generator=g) * 2 + 1, torch.randn(8, 1, generator=g)) for _ in range(3)]
+
+
+def _porting_warnings(seen) -> list[str]:
+    return [str(w.message) for w in seen if issubclass(w.category, cr.logs.PortingWarning)]
+
+
+def _torch_sync_bn_main(strategy) -> dict:
+    """A DDP script's model (torch's SyncBatchNorm) mirrored and trained on global batches."""
+    net = nn.SyncBatchNorm.convert_sync_batchnorm(_bn_net())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model = strategy.mirror(net)
+    opts = strategy.run(lambda m: cr.CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.1)), args=(model,))
+
+    def step(m, opt, batch):
+        x, y = batch
+        opt.zero_grad()
+        nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+
+    for batch in strategy.distribute_dataset(_bn_batches()):
+        strategy.run(step, args=(model, opts, batch))
+    first = strategy.experimental_local_results(model)[0]
+    return {"warnings": _porting_warnings(seen), "layer": type(first[1]).__name__,
+            "state": {k: v.detach().clone() for k, v in first.state_dict().items()}}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_torch_sync_batch_norm_trains_as_whole_batch_norm(layout):
+    reference = _bn_net()  # plain torch, one device: BatchNorm over each whole global batch
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, y in _bn_batches():
+        opt.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        opt.step()
+    for res in run_layout(_torch_sync_bn_main, layout):
+        assert res["layer"] == "SyncBatchNorm" and len(res["warnings"]) == 1
+        assert res["warnings"][0].startswith("strategy.mirror replaced 1 torch.nn.SyncBatchNorm layer(s) (['1']) "
+                                             "with cr.nn.SyncBatchNorm")
+        assert res["state"].keys() == reference.state_dict().keys()
+        for k, v in reference.state_dict().items():
+            torch.testing.assert_close(res["state"][k], v, msg=k)
+
+
+def test_mirror_takes_over_torch_sync_batch_norm_tensors_and_settings():
+    torch.manual_seed(0)
+    shared = nn.SyncBatchNorm(4, eps=1e-3, momentum=None, affine=False)
+    net = nn.Sequential(nn.Linear(3, 4), nn.SyncBatchNorm(4), nn.Sequential(shared, shared),
+                        nn.SyncBatchNorm(4, track_running_stats=False), nn.BatchNorm1d(4))
+    net[1].running_mean.uniform_()
+    net[3].eval()
+    before = dict(list(net.named_parameters()) + list(net.named_buffers()))
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)  # built before mirror: still over the same tensors
+    s = strategy(2)
+    with pytest.warns(cr.logs.PortingWarning) as seen:
+        model = s.mirror(net)
+    assert len(_porting_warnings(seen)) == 1
+    assert str(seen[0].message) == (
+        "strategy.mirror replaced 3 torch.nn.SyncBatchNorm layer(s) (['1', '2.0', '3']) with cr.nn.SyncBatchNorm: "
+        "torch's layer syncs over torch.distributed's ranks, which are processes, so on crossreplica's replicas it "
+        "normalises each replica's rows alone (or fails on CPU), while cr.nn.SyncBatchNorm normalises over the global "
+        "batch of every replica in sync. The new layers hold the same parameter and buffer tensors (the same state "
+        "dict). To silence this, convert before mirroring: model = cr.nn.convert_sync_batchnorm(model) (it makes "
+        "every BatchNorm layer cr's)")
+    assert seen[0].filename == __file__
+    copy0 = model.values[0]
+    assert copy0 is net
+    assert [type(m).__name__ for m in copy0] == ["Linear", "SyncBatchNorm", "Sequential", "SyncBatchNorm",
+                                                 "BatchNorm1d"]
+    assert all(isinstance(m, cr.nn.SyncBatchNorm) for m in (copy0[1], copy0[2][0], copy0[3]))
+    assert copy0[2][0] is copy0[2][1]  # a shared layer stays one layer
+    for old, new in ((shared, copy0[2][0]), (nn.SyncBatchNorm(4), copy0[1])):
+        for attr in ("num_features", "eps", "momentum", "affine", "track_running_stats"):
+            assert getattr(new, attr) == getattr(old, attr), attr
+    assert copy0[3].training is False and copy0[3].running_mean is None
+    after = dict(list(copy0.named_parameters()) + list(copy0.named_buffers()))
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    assert all(torch.equal(copy0.state_dict()[k], v) for k, v in state.items())
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in copy0.parameters()}
+    assert isinstance(model.values[1][1], cr.nn.SyncBatchNorm)
+
+
+def test_mirror_of_torch_sync_batch_norm_itself_and_of_a_converted_model():
+    s = strategy(2)
+    layer = nn.SyncBatchNorm(3)
+    with pytest.warns(cr.logs.PortingWarning, match=r"replaced 1 torch.nn.SyncBatchNorm layer\(s\) "
+                                                    r"\(\['the module itself'\]\)"):
+        model = s.mirror({"bn": layer})
+    assert isinstance(model.values[0]["bn"], cr.nn.SyncBatchNorm) and model.values[0]["bn"].weight is layer.weight
+    converted = cr.nn.convert_sync_batchnorm(nn.SyncBatchNorm.convert_sync_batchnorm(_bn_net()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", cr.logs.PortingWarning)
+        s.mirror(converted)  # converted first: nothing to replace, no warning
+
+
+def test_mirror_refuses_torch_sync_batch_norm_over_a_process_group():
+    net = nn.Sequential(nn.Linear(3, 4), nn.SyncBatchNorm(4, process_group="ranks 0 and 1"))
+    with pytest.raises(ValueError, match=r"layer '1' is a torch.nn.SyncBatchNorm with process_group='ranks 0 and "
+                                         r"1'; torch.distributed's ranks are processes, not crossreplica's replicas, "
+                                         r".* cr.nn.convert_sync_batchnorm\(model, group_assignment=...\), which "
+                                         r"takes replica ids"):
+        strategy(2).mirror(net)
+    assert isinstance(net[1], nn.SyncBatchNorm)  # nothing replaced

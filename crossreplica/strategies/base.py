@@ -22,14 +22,15 @@ import torch
 from .. import context, data, nest
 from ..arguments import check_call
 from ..errors import CrossReplicaWarning, ReplicaContextError, summarize
-from ..logs import SharedModuleWarning
+from ..logs import PortingWarning, SharedModuleWarning
+from ..nn import replace_torch_sync_batchnorm
 from ..reduce_op import (WIRE_DTYPES, ReduceOp, check_dtype, from_wire, mean_scale, reduce_non_distributed_value,
                          to_wire)
 from ..values import DistributedValues, Mirrored, regroup, select_replica
 from ..variables import Variable
 from .buffers import check_policy
 from .extended import StrategyExtended
-from . import logical_devices
+from . import dist_guard, logical_devices
 from .steps import run_steps
 
 __all__ = ["Strategy", "StrategyExtended"]
@@ -98,7 +99,9 @@ class Strategy:
 
         ``args``/``kwargs`` go through ``select_replica`` (a PerReplica gives each
         replica its own value); trailing ``None`` args are dropped, as TPUStrategy
-        drops them (:func:`_trim_trailing_none`). A replica that
+        drops them (:func:`_trim_trailing_none`). With several replicas in this process,
+        a torch.distributed collective or rank query in ``fn`` is a ReplicaContextError
+        naming the ``cr.`` call to use (:mod:`crossreplica.strategies.dist_guard`). A replica that
         raises releases the others; the run then raises a ReplicaError that is
         also an instance of the original exception's type.
         """
@@ -113,6 +116,8 @@ class Strategy:
             args = _trim_trailing_none(fn, args, kwargs)
         self._check_distributed(("args", args), ("kwargs", kwargs), run=True)
         self._check_captured(fn)
+        if len(self.extended.worker_devices) > 1:
+            dist_guard.install()  # torch.distributed calls cannot be right in these replicas
         with self.scope():
             results = self.extended.run_replicas(fn, args, kwargs)
         return regroup(results, always_wrap=self.extended.always_wrap)
@@ -290,6 +295,11 @@ class Strategy:
         0's to every replica, ``"mean"`` averages the floating-point ones, None
         leaves each replica's own (and warns when they differ).
 
+        ``torch.nn.SyncBatchNorm`` layers, which sync over torch.distributed's
+        ranks (processes) rather than replicas, are replaced by
+        ``cr.nn.SyncBatchNorm`` layers holding the same tensors, with one
+        ``cr.logs.PortingWarning`` naming them (:func:`crossreplica.nn.replace_torch_sync_batchnorm`).
+
         Raises:
             ReplicaContextError: called inside a replica function.
             ValueError: ``obj`` is already a DistributedValues, or ``sync_buffers``
@@ -302,6 +312,7 @@ class Strategy:
             raise ValueError(
                 f"obj is already distributed ({type(obj).__name__}); mirror takes a plain module, "
                 f"tensor or nest of them and makes one copy per replica")
+        obj = _with_replica_sync_batchnorm(obj)
         devices = self.extended.worker_devices
         copies = [_to_device(obj, devices[0])]
         for d in devices[1:]:
@@ -392,6 +403,31 @@ class Strategy:
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync}, "
                 f"devices={[str(d) for d in self.extended.worker_devices]})")
+
+
+def _with_replica_sync_batchnorm(obj: Any) -> Any:
+    """``obj`` with its modules' torch.nn.SyncBatchNorm layers made cr.nn.SyncBatchNorm (in
+    place; a nest leaf that is such a layer is replaced), and one PortingWarning naming them."""
+    replaced: list[str] = []
+
+    def convert(x: Any) -> Any:
+        if isinstance(x, torch.nn.Module):
+            x, names = replace_torch_sync_batchnorm(x)
+            replaced.extend(names)
+        return x
+
+    obj = nest.map_structure(convert, obj)
+    if replaced:
+        named = summarize([name or "the module itself" for name in replaced])
+        warnings.warn(
+            f"strategy.mirror replaced {len(replaced)} torch.nn.SyncBatchNorm layer(s) ({named}) with "
+            f"cr.nn.SyncBatchNorm: torch's layer syncs over torch.distributed's ranks, which are processes, so on "
+            f"crossreplica's replicas it normalises each replica's rows alone (or fails on CPU), while "
+            f"cr.nn.SyncBatchNorm normalises over the global batch of every replica in sync. The new layers hold the "
+            f"same parameter and buffer tensors (the same state dict). To silence this, convert before mirroring: "
+            f"model = cr.nn.convert_sync_batchnorm(model) (it makes every BatchNorm layer cr's)",
+            PortingWarning, stacklevel=3)
+    return obj
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
