@@ -9,6 +9,8 @@ One module per concern (gloo on CPU, NCCL on CUDA):
 * ``gather``: all_gather with uneven sizes along the gather dim;
 * ``broadcast``: one byte pack per (worker set, source worker);
 * ``p2p``: point-to-point messages, all_to_all and permute;
+* ``shared_memory``, ``shm_files``: the same-host all-reduce through mapped files;
+* ``staging``: CUDA tensors over a CPU transport (gloo), through page-locked host memory;
 * ``signatures``: ``check_collectives``, the hashed cross-worker agreement check;
 * ``watchdog``: bounded, abort-aware waits and the errors a failure raises.
 

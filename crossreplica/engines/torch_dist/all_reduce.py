@@ -15,6 +15,12 @@ point SUM/MEAN/MAX/MIN on the CPU) the call goes through the shared-memory
 arena instead of the backend (``shared_memory.py``): the same bytes, without
 loopback TCP.
 
+CUDA tensors on a CPU transport (gloo) are staged (``staging.py``): where CPU
+tensors would take the same-host arena, they are copied straight into it on a
+side stream; otherwise into pinned host memory, where the path CPU tensors take
+runs in place on the copies; the results go back on the side stream. The same
+bytes as CPU tensors, in both the synchronous and the asynchronous form.
+
 Invariant: every replica of a group gets the same bytes (the backends'
 all-reduce results are replicated, and everything else is a copy).
 """
@@ -29,9 +35,10 @@ import torch.distributed as dist
 from ...reduce_op import ReduceOp
 from ..base import Call, Kind, Pending, is_inplace, scatter_slice
 from ..reduction import reduce_into
-from .chain import chain_all_reduce, chain_hosts, drain, start_chain
+from .chain import Hosts, chain_all_reduce, chain_hosts, drain, start_chain
 from .ordered import ordered_all_reduce
-from .plan import Step, by_worker_set
+from .plan import GroupPlan, Step, by_worker_set
+from .staging import stageable
 
 if TYPE_CHECKING:
     from .engine import TorchDistEngine
@@ -49,6 +56,14 @@ def _dist_op(op: ReduceOp, dtype: torch.dtype) -> Any:
 
 def all_reduce(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
     """All-reduce; in place, the results that are not already the inputs are copied into them."""
+    if stageable((t for row in step.payloads for t in row), eng.comm_device):
+        staged = _staged(eng, step)
+        if staged is not None:
+            return staged
+    return _all_reduce(eng, step)
+
+
+def _all_reduce(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
     shared = _through_shared_memory(eng, step)
     if shared is not None:
         return [shared]
@@ -65,18 +80,53 @@ def all_reduce(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
 _SHARED_OPS = (ReduceOp.SUM, ReduceOp.MEAN, ReduceOp.MAX, ReduceOp.MIN)
 
 
+def _shared_op(eng: TorchDistEngine, step: Step) -> ReduceOp | None:
+    """The op when the call's layout and op suit the shared-memory arena (workers of one
+    host, one replica each, a group of every replica), else None."""
+    reducer, call = eng.shared_memory, step.call
+    if reducer is None or len(call.groups) != 1 or len(call.groups[0]) != eng.num_replicas or not step.payloads[0]:
+        return None
+    op = step.params[eng.local_replica_ids[0]].op
+    return op if op in _SHARED_OPS else None
+
+
 def _through_shared_memory(eng: TorchDistEngine, step: Step) -> list[torch.Tensor] | None:
     """The call on workers of one host, one replica each, over every replica: through
     the shared-memory arena (``shared_memory.py``), with the backend path's bytes; None
     when the path does not take it."""
-    reducer, call = eng.shared_memory, step.call
-    if reducer is None or len(call.groups) != 1 or len(call.groups[0]) != eng.num_replicas:
-        return None
+    op = _shared_op(eng, step)
     tensors = step.payloads[0]
-    op = step.params[eng.local_replica_ids[0]].op
-    if op not in _SHARED_OPS or not tensors or any(t.device.type != "cpu" for t in tensors):
+    if op is None or eng.shared_memory is None or any(t.device.type != "cpu" for t in tensors):
         return None
-    return reducer.all_reduce(tensors, op, step.inplace)
+    return eng.shared_memory.all_reduce(tensors, op, step.inplace)
+
+
+def _staged(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]] | None:
+    """The call on CUDA tensors over a CPU transport (``staging.py``): straight into the
+    same-host arena where CPU tensors would take it, else through pinned host copies, on
+    which the path CPU tensors take runs in place (the bytes of either form); the results
+    go back to the tensors (in place) or to new ones on the replicas' devices. None when
+    the host memory is not there (the caller takes the unstaged path)."""
+    op = _shared_op(eng, step)
+    if op is not None and eng.shared_memory is not None:
+        pending = eng.shared_memory.stage(step.payloads[0], op, eng.staging, None if step.inplace else eng.devices[0])
+        if pending is not None:
+            return [pending.wait()]
+    staging = eng.staging
+    copy = staging.to_host(step.payloads)
+    if copy is None:
+        return None
+    try:
+        staging.wait_for(copy.ready)
+        with eng.results_on_host():
+            _all_reduce(eng, step._replace(payloads=copy.rows, inplace=True))
+    except BaseException:
+        staging.release(copy)
+        raise
+    dests = step.payloads if step.inplace else [[torch.empty_like(t, device=eng.devices[i]) for t in row]
+                                                 for i, row in enumerate(step.payloads)]
+    staging.from_host(copy, dests)
+    return [list(row) for row in dests]
 
 
 def start_all_reduce(eng: TorchDistEngine, call: Call, tensors: list[torch.Tensor]) -> Pending | None:
@@ -86,19 +136,35 @@ def start_all_reduce(eng: TorchDistEngine, call: Call, tensors: list[torch.Tenso
     synchronous path's: the backend's SUM, then MEAN divides by the group size.
     Buffers from :meth:`TorchDistEngine.shared_buffer` reduced over every worker take
     the same-host path instead (``shared_memory.py``), with the same bytes; ordered
-    reductions across hosts go along the chain of hosts, on its thread (``chain.py``)."""
+    reductions across hosts go along the chain of hosts, on its thread (``chain.py``).
+    CUDA tensors on a CPU comm device are staged (:func:`_start_staged`)."""
     if call.kind is not Kind.ALL_REDUCE or not is_inplace(call) or call.params.op not in (ReduceOp.SUM, ReduceOp.MEAN):
         return None
-    if not all(t.is_contiguous() and t.device == eng.comm_device and t.dtype.is_floating_point for t in tensors):
+    staged = stageable(tensors, eng.comm_device)
+    if not all(t.dtype.is_floating_point and (staged or (t.is_contiguous() and t.device == eng.comm_device))
+               for t in tensors):
         return None
     entries = [entry for entry in eng.planner.plan(call.groups) if entry.local]
     if len(entries) != 1 or len(entries[0].workers) < 2:
         return None
+    if staged:
+        return _start_staged(eng, call, tensors, entries)
+    if eng.staging.pending:
+        eng.staging.flush()  # the staged calls started before this one launch first, on every worker
     entry = entries[0]
+    hosts = None
     if eng.ordered_reductions and len(entry.group) > 2:
         hosts = chain_hosts(eng, entry.workers, entries)
         if hosts is None:
             return None
+    return _start_on_host(eng, call, tensors, entry, hosts)
+
+
+def _start_on_host(eng: TorchDistEngine, call: Call, tensors: list[torch.Tensor], entry: GroupPlan,
+                   hosts: Hosts | None) -> Pending:
+    """Starts the call on host tensors: along the chain of ``hosts``, through the same-host
+    path's buffers, or as async backend work (see :func:`start_all_reduce`)."""
+    if hosts is not None:
         eng.watchdog.count += 1
         eng.watchdog.current = call
         return start_chain(eng, hosts, call.params.op, tensors)
@@ -120,6 +186,52 @@ def start_all_reduce(eng: TorchDistEngine, call: Call, tensors: list[torch.Tenso
                 t.div_(divisor)
         return list(tensors)
     return Pending(finish)
+
+
+def _start_staged(eng: TorchDistEngine, call: Call, tensors: list[torch.Tensor],
+                  entries: list[GroupPlan]) -> Pending | None:
+    """:func:`start_all_reduce` of CUDA tensors on a CPU comm device (``staging.py``): their
+    copies to the host start now, on a side stream, and the transport CPU tensors would
+    take starts once they are done, in call order (at a later start, or at the latest at
+    the wait or at the next other cross-process call); the wait copies the results back.
+    Over every worker of one host, the copies go straight into the same-host arena, each
+    chunk a round of its own; else into pinned memory, then the chain or async backend
+    work. None where CPU tensors would run synchronously (the caller runs the call)."""
+    staging, entry, op = eng.staging, entries[0], call.params.op
+    reducer = eng.shared_memory
+    if reducer is not None and len(entry.workers) == eng.world_size:
+        eng.watchdog.current = call
+        shared = reducer.stage(tensors, op, staging, None)
+        if shared is not None:
+            eng.watchdog.count += 1
+            staging.poll()
+            reducer.progress()  # the slices of earlier rounds that have become ready
+            return Pending(lambda: eng.settle(shared.wait))
+    hosts = None
+    if eng.ordered_reductions and len(entry.group) > 2:
+        if eng.hosts is None and staging.pending:
+            staging.flush()  # learning the hosts is a collective: after the calls queued before it
+        hosts = chain_hosts(eng, entry.workers, entries)
+        if hosts is None:
+            return None
+    copy = staging.to_host([tensors])
+    if copy is None:
+        return None
+    started: list[Pending] = []
+    deferred = staging.defer([(copy.ready, lambda: started.append(_start_on_host(eng, call, copy.rows[0], entry,
+                                                                                  hosts)))])
+    staging.poll()
+
+    def finish() -> list[torch.Tensor]:
+        try:
+            staging.flush(deferred)
+            started[0].wait()
+        except BaseException:
+            staging.release(copy)
+            raise
+        staging.from_host(copy, [tensors])
+        return list(tensors)
+    return Pending(lambda: eng.settle(finish))
 
 
 def start_gathered_all_reduce(eng: TorchDistEngine, call: Call,

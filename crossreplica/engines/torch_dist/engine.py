@@ -40,6 +40,7 @@ from .p2p import all_to_all, permute
 from .plan import Planner, Step
 from .shared_memory import SharedMemoryReducer, usable
 from .signatures import check_signatures
+from .staging import Staging
 from .watchdog import Watchdog, is_peer_loss
 
 __all__ = ["TorchDistEngine"]
@@ -105,6 +106,11 @@ class TorchDistEngine(WorkerEngine):
         #: floating-point calls), where the layout allows it (the workers' probe decides at
         #: the first such call)
         self.shared_memory = SharedMemoryReducer(self) if shared_memory and usable(self) else None
+        #: CUDA tensors over a CPU transport (gloo): their copies through host memory and the
+        #: launches of the asynchronous ones (``staging.py``)
+        self.staging = Staging(idle=self._progress_shared)
+        #: where hand_out puts results: each local replica's device (the host inside results_on_host)
+        self._out_devices: tuple[torch.device, ...] = self.devices
         _log.info("torch_dist engine: worker rank %d of %d (backend %s), local replicas %s of %d on %s, "
                   "timeout %gs, slow-collective warning after %gs", self.rank, self.world_size, self.backend,
                   list(self.local_replica_ids), self.num_replicas, [str(d) for d in self.devices], self._timeout,
@@ -143,8 +149,9 @@ class TorchDistEngine(WorkerEngine):
 
     def execute_async(self, replica_id: int, call: Call, tensors: list[torch.Tensor]) -> Pending:
         """An in-place floating-point SUM/MEAN all-reduce of one replica per worker runs
-        as async work of the backend (the optimizer's buckets during backward); any
-        other call runs now."""
+        as async work of the backend (the optimizer's buckets during backward; CUDA
+        tensors over gloo start their copies to the host, ``staging.py``); any other
+        call runs now."""
         if self.replicas_per_worker == 1 and self._broken is None and not self.check_collectives:
             with self._failures():
                 pending = start_all_reduce(self, call, tensors)
@@ -162,6 +169,28 @@ class TorchDistEngine(WorkerEngine):
         if buf is not None and _log.isEnabledFor(logging.DEBUG):
             _log.debug("torch_dist engine: shared-memory buffer of %d x %s", numel, dtype)
         return buf
+
+    def _progress_shared(self) -> None:
+        """The same-host path's ready work, while the host waits for staged copies."""
+        if self.shared_memory is not None:
+            self.shared_memory.progress()
+
+    def _flush(self) -> None:
+        """Launches the staged calls still queued and waits for the chains under way, before
+        any other cross-process call: one order of calls and messages on every worker."""
+        if self.staging.pending:
+            self.settle(self.staging.flush)
+        drain(self)
+
+    @contextlib.contextmanager
+    def results_on_host(self) -> Iterator[None]:
+        """Inside, :meth:`hand_out` leaves results on the comm device (a staged call copies
+        them to the replicas' devices itself: ``staging.py``)."""
+        saved, self._out_devices = self._out_devices, (self.comm_device,) * self.replicas_per_worker
+        try:
+            yield
+        finally:
+            self._out_devices = saved
 
     def settle(self, fn: Any) -> Any:
         """Runs ``fn()`` (a wait on backend work); a failure breaks the engine as in :meth:`process`."""
@@ -210,6 +239,7 @@ class TorchDistEngine(WorkerEngine):
         self._broken = ReplicaAborted(f"this worker failed earlier: {message}")
 
     def close(self) -> None:
+        self.staging.close()
         if self.chain_pool is not None:
             self.chain_pool.shutdown(wait=False, cancel_futures=True)
         self.planner.close()
@@ -223,7 +253,7 @@ class TorchDistEngine(WorkerEngine):
         """Runs one collective for every local replica (``calls``/``payloads`` in local order)."""
         if self._broken is not None:
             raise self._broken_error(self._broken)
-        drain(self)  # the overlapped chains first: one order of messages on every worker
+        self._flush()  # the staged calls and overlapped chains first: one order of messages on every worker
         watchdog = self.watchdog
         watchdog.count += 1
         call = calls[0]
@@ -256,7 +286,7 @@ class TorchDistEngine(WorkerEngine):
         see :meth:`Watchdog.meet`. A failure breaks the engine and releases the others."""
         if self._broken is not None:
             raise self._broken_error(self._broken)
-        drain(self)
+        self._flush()
         with self._failures(announce=True):
             self.watchdog.meet(what)
 
@@ -264,7 +294,7 @@ class TorchDistEngine(WorkerEngine):
         """Waits (bounded) until every worker reaches the same barrier."""
         if self._broken is not None:
             raise self._broken_error(self._broken)
-        drain(self)
+        self._flush()
         watchdog = self.watchdog
         watchdog.count += 1
         watchdog.current = what
@@ -278,7 +308,7 @@ class TorchDistEngine(WorkerEngine):
         (the first may keep ``value`` itself when it is a ``fresh`` buffer of ours)."""
         for k, rid in enumerate(local):
             i = self.local_index[rid]
-            outs[i][leaf] = value.to(self.devices[i], copy=not (fresh and k == 0))
+            outs[i][leaf] = value.to(self._out_devices[i], copy=not (fresh and k == 0))
 
     @staticmethod
     def _broken_error(broken: BaseException) -> BaseException:

@@ -6,14 +6,21 @@ one host can instead map each other's buffers: each worker reduces its 1/W
 slice of every worker's buffer and writes the result into all of them
 (figures: BENCHMARKS.md, "Across processes").
 
-Scope: one replica per worker, CPU tensors of the floating dtypes that reduce
-in their own dtype (float16 and bfloat16 arrive as float32), a group of every
-worker. Two forms: buffers handed out by :meth:`SharedMemoryReducer.buffer`,
+Scope: one replica per worker, tensors of the floating dtypes that reduce in
+their own dtype (float16 and bfloat16 arrive as float32), a group of every
+worker. Three forms: buffers handed out by :meth:`SharedMemoryReducer.buffer`,
 all-reduced in place and asynchronously (SUM, MEAN: the optimizer keeps its
-overlapped gradient buckets there, so nothing is copied), and any synchronous
-all-reduce (SUM, MEAN, MAX, MIN), whose tensors are copied into an *arena* (a
-buffer of the same kind per dtype, grown to the largest call, at most 256 MiB)
-and the results copied out. Every other call takes the backend. Whether the
+overlapped gradient buckets there, so nothing is copied); any synchronous
+all-reduce (SUM, MEAN, MAX, MIN) of CPU tensors, copied into a region of an
+*arena* (a buffer of the same kind per dtype, grown with the calls, at most 256
+MiB) and the results copied out; and the staged CUDA tensors of gloo workers
+(``staging.py``: :meth:`SharedMemoryReducer.stage`), copied by DMA straight into
+their region (this worker's copy of the arena is page-locked with
+``cudaHostRegister``) chunk by chunk, each chunk a round of its own, started once
+its copy is done, synchronously or asynchronously (the optimizer's buckets on
+GPUs). Regions are claimed in call order and given back when the call ends, on
+every worker alike; several may be under way at once. Every other call takes
+the backend. Whether the
 workers share a host is decided once, by all of them together (a probe file in
 ``/dev/shm``), so the same calls take the same path on every worker;
 ``CROSSREPLICA_SHARED_MEMORY=0`` turns the path off.
@@ -23,8 +30,10 @@ docs/architecture.md, "engines/torch_dist/shared_memory.py"):
 
 * the results are the bytes of ``reduction.py`` (ascending worker rank, block
   by block), those of the in-process engine and of the ordered backend path;
-* a worker writes only its own header, and nobody touches a worker's buffer
-  from the end of a round until that worker deposits the next one;
+* a worker writes only its own header, and nobody touches a worker's region
+  from the end of a round until that worker deposits the next one there; each
+  round's region is in its depositor's header, and a round whose region differs
+  between workers raises CollectiveMismatchError instead of mixing data;
 * the files have names only while a buffer is set up: a worker killed later
   leaves nothing in /dev/shm; a full /dev/shm fails at creation (never SIGBUS
   later) and that buffer takes the backend on every worker;
@@ -41,16 +50,17 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from ...errors import CollectiveTimeoutError
+from ...errors import CollectiveMismatchError, CollectiveTimeoutError
 from ...reduce_op import WIRE_DTYPES, ReduceOp
 from ..base import Pending
 from ..reduction import reduce_into
-from .shm_files import SHM_DIR, alive, create, open_existing, reads, unlink
+from .shm_files import HEADER, SHM_DIR, alive, create, open_existing, reads, unlink
+from .staging import InFlight, Piece, Ready, Registration, Staging, plan_chunks, register
 from .watchdog import WorkerFailedError
 
 if TYPE_CHECKING:
@@ -59,6 +69,9 @@ if TYPE_CHECKING:
 __all__ = ["SHM_DIR", "SharedMemoryReducer", "usable"]
 
 _DEPOSITED, _PUBLISHED = 0, 1
+# The region of the last round deposited: the round it describes (written first), then
+# its offset and length (see _deposit and _check_region).
+_DESCRIBED, _OFFSET, _NUMEL = 2, 3, 4
 _BLOCK_BYTES = 1 << 20  # per block of a slice: its running result is re-read from cache
 # A wait yields the core for its first millisecond, then sleeps 50 us, doubling to
 # 200 us: a peer's last bucket is noticed within 0.2 ms (measured on the transformer
@@ -96,10 +109,33 @@ class _Segment:
 
 
 class _Round:
-    __slots__ = ("segment", "seq", "op", "numel", "reduced")
+    """One all-reduce of ``numel`` elements at ``offset`` of a segment, on every worker."""
 
-    def __init__(self, segment: _Segment, seq: int, op: ReduceOp, numel: int):
-        self.segment, self.seq, self.op, self.numel, self.reduced = segment, seq, op, numel, False
+    __slots__ = ("segment", "seq", "op", "offset", "numel", "reduced")
+
+    def __init__(self, segment: _Segment, seq: int, op: ReduceOp, numel: int, offset: int = 0):
+        self.segment, self.seq, self.op, self.numel, self.offset = segment, seq, op, numel, offset
+        self.reduced = False
+
+
+class _Arena:
+    """The buffer of one dtype whose regions the synchronous and staged calls use: claimed
+    in call order (``used``), from the start again once no call holds one (``held``)."""
+
+    __slots__ = ("held", "inflight", "pin_tried", "pinned", "segment", "used")
+
+    def __init__(self, segment: _Segment):
+        self.segment = segment
+        self.used = 0
+        self.held = 0
+        #: copies between this worker's copy and a GPU that may still be running
+        self.inflight = InFlight()
+        self.pinned: Registration | None = None  # this worker's copy, page-locked for the staged copies
+        self.pin_tried = False
+
+
+#: an arena's regions held by one call: dtype -> (arena, offset of the region)
+_Held = dict[torch.dtype, tuple[_Arena, int]]
 
 
 class SharedMemoryReducer:
@@ -110,7 +146,8 @@ class SharedMemoryReducer:
         self._enabled: bool | None = None  # decided by the probe, at the first buffer
         self._tokens: list[str] = []
         self._pids: list[int] = []  # every worker's process id (the same host)
-        self._arenas: dict[torch.dtype, _Segment] = {}  # staging buffers of the synchronous calls
+        self._arenas: dict[torch.dtype, _Arena] = {}  # buffers of the synchronous and staged calls
+        self._retired: list[_Arena] = []  # arenas grown out of while a call still held a region
         self._refused: dict[torch.dtype, int] = {}  # arena sizes the workers could not create
         self._segments: dict[int, _Segment] = {}  # data_ptr -> segment
         self._count = 0
@@ -235,74 +272,198 @@ class SharedMemoryReducer:
         else into new tensors); None when the path does not take them (the caller takes
         the backend): a dtype it leaves to the backend, or more than ``_ARENA_MAX_BYTES``
         of one dtype. Each dtype has an arena of its own."""
-        totals: dict[torch.dtype, int] = {}
-        for t in tensors:
-            if not t.dtype.is_floating_point or t.dtype in WIRE_DTYPES:
-                return None
-            totals[t.dtype] = totals.get(t.dtype, 0) + t.numel()
-        arenas = {}
-        for dtype, total in totals.items():  # the same dtypes in the same order on every worker
-            arena = self._arena(total, dtype) if total else None
-            if arena is None:
-                return None
-            arenas[dtype] = arena
-        places = []  # each tensor's slice of its dtype's arena
-        offsets = dict.fromkeys(arenas, 0)
-        for t in tensors:
-            n, offset = t.numel(), offsets[t.dtype]
-            place = arenas[t.dtype].tensor[offset:offset + n].view(t.shape)
-            place.copy_(t)
-            places.append(place)
-            offsets[t.dtype] = offset + n
-        self._finish([self._deposit(arenas[d], totals[d], op) for d in arenas], [])
-        if inplace:
-            return [t.copy_(place) for t, place in zip(tensors, places)]
-        # Large results in the engine's reused buffers: fresh pages cost more than the reduction.
-        return [self._eng.pool.empty(tuple(t.shape), t.dtype, t.device).copy_(place)
-                if place.numel() * place.element_size() >= _POOLED_BYTES else place.clone() for t, place in
-                zip(tensors, places)]
+        totals = _totals(tensors)
+        held = None if totals is None else self._claim(totals)
+        if totals is None or held is None:
+            return None
+        try:
+            places = []  # each tensor's slice of its dtype's region
+            offsets = {dtype: offset for dtype, (_, offset) in held.items()}
+            for arena, _ in held.values():
+                arena.inflight.settle()  # the host writes: no copy to a GPU may still read it
+            for t in tensors:
+                n, offset = t.numel(), offsets[t.dtype]
+                place = held[t.dtype][0].segment.tensor[offset:offset + n].view(t.shape)
+                place.copy_(t)
+                places.append(place)
+                offsets[t.dtype] = offset + n
+            self._finish([self._deposit(arena.segment, totals[d], op, offset) for d, (arena, offset) in held.items()],
+                         [])
+            if inplace:
+                return [t.copy_(place) for t, place in zip(tensors, places)]
+            # Large results in the engine's reused buffers: fresh pages cost more than the reduction.
+            return [self._eng.pool.empty(tuple(t.shape), t.dtype, t.device).copy_(place)
+                    if place.numel() * place.element_size() >= _POOLED_BYTES else place.clone() for t, place in
+                    zip(tensors, places)]
+        finally:
+            self._release(held)
 
-    def _arena(self, numel: int, dtype: torch.dtype) -> _Segment | None:
-        """This worker's staging buffer for synchronous calls of ``dtype``, grown (together
-        with every worker: they make the same calls) to hold ``numel`` elements."""
+    def stage(self, tensors: Sequence[torch.Tensor], op: ReduceOp, staging: Staging,
+              out_device: torch.device | None) -> Pending | None:
+        """Starts an all-reduce over every worker of ``tensors`` (contiguous, on one device:
+        a staged call's CUDA tensors, ``staging.py``) through the arenas: each dtype's
+        tensors are copied on the device's side stream straight into a region of its arena
+        (this worker's copy page-locked: DMA), chunk by chunk (``staging.plan_chunks``);
+        each chunk is a round, deposited once its copy is done, in call order
+        (``staging.defer``: at a later start or at the latest at the wait). The wait copies
+        each chunk's result back as soon as its round is over: into ``tensors`` when
+        ``out_device`` is None, else into new tensors there (the tensors' own device).
+        None when the path does not take the call (as :meth:`all_reduce`); no copy has
+        started then. Every worker makes the same calls in the same order, so the regions
+        and rounds agree."""
+        device = tensors[0].device if tensors else None
+        if (device is None or (out_device is not None and out_device != device)
+                or any(t.device != device or not t.is_contiguous() for t in tensors)):
+            return None
+        totals = _totals(tensors)
+        held = None if totals is None else self._claim(totals)
+        if totals is None or held is None:
+            return None
+        side = staging.side(device)
+        start = staging.follow(device)
+        chunks: list[tuple[torch.Tensor, list[int], list[Piece]]] = []  # region, its tensors, the chunk's pieces
+        steps: list[tuple[Ready, Callable[[], None]]] = []
+        rounds: list[_Round] = []
+        for dtype, (arena, offset) in held.items():
+            self._pin(arena, device)
+            arena.inflight.settle(side)
+            mine = [j for j, t in enumerate(tensors) if t.dtype == dtype]
+            region = arena.segment.tensor[offset:offset + totals[dtype]]
+            for pieces in plan_chunks([tensors[j].numel() for j in mine], region.element_size()):
+                with staging.copying(device):
+                    for p in pieces:
+                        region[p.at:p.at + p.hi - p.lo].copy_(tensors[mine[p.tensor]].view(-1)[p.lo:p.hi],
+                                                              non_blocking=True)
+                ready = staging.mark(device)
+                arena.inflight.add(side, ready)
+                lo, last = pieces[0].at, pieces[-1]
+                hi = last.at + last.hi - last.lo
+                steps.append((ready, _Deposit(self, rounds, arena.segment, offset + lo, hi - lo, op)))
+                chunks.append((region, mine, pieces))
+        deferred = staging.defer(steps)
+
+        def finish() -> list[torch.Tensor]:
+            try:
+                staging.flush(deferred)
+                outs = list(tensors) if out_device is None else [torch.empty_like(t) for t in tensors]
+                staging.follow(device)  # the side stream writes the caller's tensors after its work so far
+                for r, (region, mine, pieces) in zip(rounds, chunks):
+                    self._finish([r], [])
+                    with staging.copying(device):
+                        for p in pieces:
+                            outs[mine[p.tensor]].view(-1)[p.lo:p.hi].copy_(region[p.at:p.at + p.hi - p.lo],
+                                                                           non_blocking=True)
+                done = staging.hand_back(device, outs, also=(start,))
+                for arena, _ in held.values():
+                    arena.inflight.add(side, done)
+                return outs
+            finally:
+                self._release(held)
+        return Pending(finish)
+
+    def _pin(self, arena: _Arena, device: torch.device) -> None:
+        """Page-locks this worker's copy of ``arena`` (once) for copies with ``device``."""
+        if arena.pin_tried or device.type != "cuda":
+            return
+        arena.pin_tried = True
+        segment = arena.segment
+        tensor = segment.tensor  # the data starts HEADER bytes into the (page-aligned) mapping
+        arena.pinned = register(tensor.data_ptr() - HEADER, HEADER + segment.numel * tensor.element_size(), device,
+                                tensor)
+
+    def _claim(self, totals: dict[torch.dtype, int]) -> _Held | None:
+        """A region of ``totals[dtype]`` elements in each dtype's arena (grown, together with
+        every worker, where it does not fit), all or none."""
+        held: _Held = {}
+        for dtype, numel in totals.items():  # the same dtypes in the same order on every worker
+            arena = self._arena(numel, dtype) if numel else None
+            if arena is None:
+                self._release(held)
+                return None
+            held[dtype] = (arena, arena.used)
+            arena.used += numel
+            arena.held += 1
+        return held
+
+    def _release(self, held: _Held) -> None:
+        """Gives the regions back; an arena none is held in starts from its beginning again."""
+        for arena, _ in held.values():
+            arena.held -= 1
+            if arena.held == 0:
+                arena.used = 0
+                if arena in self._retired:
+                    self._retired.remove(arena)
+                    self._drop(arena)
+
+    def _arena(self, numel: int, dtype: torch.dtype) -> _Arena | None:
+        """This worker's arena for ``dtype`` with room for ``numel`` more elements, grown
+        (together with every worker: they make the same calls) where it has not: to the
+        regions held plus ``numel``, at least twice its size."""
         arena = self._arenas.get(dtype)
-        if arena is not None and arena.numel >= numel:
+        if arena is not None and arena.used + numel <= arena.segment.numel:
             return arena
         itemsize = torch.empty((), dtype=dtype).element_size()
         if numel * itemsize > _ARENA_MAX_BYTES or numel >= self._refused.get(dtype, numel + 1):
             return None
-        size = max(numel, 2 * arena.numel if arena is not None else 0, _ARENA_MIN_BYTES // itemsize)
+        size = max(numel + (arena.used if arena is not None else 0),
+                   2 * arena.segment.numel if arena is not None else 0, _ARENA_MIN_BYTES // itemsize)
         size = min(size, _ARENA_MAX_BYTES // itemsize)
         tensor = self.buffer(size, dtype)
         if tensor is None:  # given up by the workers together: remembered the same everywhere
             self._refused[dtype] = min(numel, self._refused.get(dtype, numel))
             return None
         if arena is not None:
-            del self._segments[arena.tensor.data_ptr()]  # the old arena's mappings go with it
-        self._arenas[dtype] = arena = self._segments[tensor.data_ptr()]
+            if arena.held:
+                self._retired.append(arena)  # its regions live on until their calls end
+            else:
+                self._drop(arena)
+        self._arenas[dtype] = arena = _Arena(self._segments[tensor.data_ptr()])
         return arena
 
-    def _deposit(self, segment: _Segment, numel: int, op: ReduceOp) -> _Round:
-        """Publishes that this worker's first ``numel`` elements of ``segment`` are in place."""
+    def _drop(self, arena: _Arena) -> None:
+        """Forgets an arena no call holds: its copies done, its pages unlocked, its mappings
+        gone with the last reference."""
+        arena.inflight.settle()
+        if arena.pinned is not None:
+            arena.pinned.release()
+            arena.pinned = None
+        self._segments.pop(arena.segment.tensor.data_ptr(), None)
+
+    def _deposit(self, segment: _Segment, numel: int, op: ReduceOp, offset: int = 0) -> _Round:
+        """Publishes that this worker's ``numel`` elements at ``offset`` of ``segment`` are in place."""
         segment.seq += 1
+        header = segment.header
+        header[_DESCRIBED] = segment.seq
         _memory_fence()
-        segment.header[_DEPOSITED] = segment.seq
-        r = _Round(segment, segment.seq, op, numel)
+        header[_OFFSET], header[_NUMEL] = offset, numel
+        _memory_fence()
+        header[_DEPOSITED] = segment.seq
+        r = _Round(segment, segment.seq, op, numel, offset)
         self._open.append(r)
         return r
 
     def progress(self) -> None:
-        """Reduces this worker's slice of every started round that all workers have deposited."""
+        """Reduces this worker's slice of every started round that all workers have deposited,
+        each segment's rounds in order: a round is published only after the earlier ones of
+        its segment (peers read "published s" as "every round up to s"), so once one is not
+        ready, the later ones of its segment wait for the next pass even if a peer has
+        deposited them meanwhile."""
+        waiting: list[_Segment] = []  # segments with a round not ready in this pass
         for r in self._open:
-            if not r.reduced and _all_at_least(r.segment.headers, _DEPOSITED, r.seq):
+            if r.reduced or (waiting and any(r.segment is s for s in waiting)):
+                continue
+            if _all_at_least(r.segment.headers, _DEPOSITED, r.seq):
                 _memory_fence()
+                self._check_region(r)
                 self._reduce_slice(r)
+            else:
+                waiting.append(r.segment)
         self._open = [r for r in self._open if not r.reduced]
 
     def _reduce_slice(self, r: _Round) -> None:
         segment, eng = r.segment, self._eng
         copies, n, w = segment.copies, r.numel, eng.world_size
-        lo, hi = n * eng.rank // w, n * (eng.rank + 1) // w
+        lo, hi = r.offset + n * eng.rank // w, r.offset + n * (eng.rank + 1) // w
         step = max(1, _BLOCK_BYTES // segment.tensor.element_size())
         for s in range(lo, hi, step):
             blocks = [c[s:min(hi, s + step)] for c in copies]
@@ -312,6 +473,22 @@ class SharedMemoryReducer:
         _memory_fence()
         segment.header[_PUBLISHED] = r.seq
         r.reduced = True
+
+    def _check_region(self, r: _Round) -> None:
+        """Raises if a worker deposited round ``r`` in another region than this worker (their
+        calls disagree): never a sum of different data. Checked against every header still
+        describing ``r`` (its words are read between two reads of the round they describe)."""
+        for rank, header in enumerate(r.segment.headers):
+            if header[_DEPOSITED] != r.seq:
+                continue  # already past r: its words describe a later round
+            _memory_fence()
+            offset, numel = header[_OFFSET], header[_NUMEL]
+            _memory_fence()
+            if header[_DESCRIBED] == r.seq and (offset, numel) != (r.offset, r.numel):
+                raise CollectiveMismatchError(
+                    f"collective {self._eng.watchdog.where} on worker rank {self._eng.rank} (same-host shared memory): "
+                    f"worker rank {rank} deposited round {r.seq} of this buffer as {numel} elements at {offset}, this "
+                    f"worker as {r.numel} at {r.offset}: the workers made different calls")
 
     def _path(self, rank: int, index: int) -> str:
         return os.path.join(SHM_DIR, f"crossreplica-{self._tokens[rank]}-{index}")
@@ -365,8 +542,38 @@ class SharedMemoryReducer:
         return sorted(late)
 
     def close(self) -> None:
-        """Unlinks every file this worker still names (the mappings live on with their tensors)."""
+        """Unlinks every file this worker still names (the mappings live on with their tensors)
+        and unlocks the arenas' pages once no copy uses them."""
+        for arena in [*self._arenas.values(), *self._retired]:
+            self._drop(arena)
+        self._arenas.clear()
+        self._retired.clear()
         self._finalizer()
+
+
+class _Deposit:
+    """A staged chunk's launch: deposits its round (``rounds`` gets it) and reduces what is ready."""
+
+    __slots__ = ("numel", "offset", "op", "reducer", "rounds", "segment")
+
+    def __init__(self, reducer: SharedMemoryReducer, rounds: list[_Round], segment: _Segment, offset: int,
+                 numel: int, op: ReduceOp):
+        self.reducer, self.rounds, self.segment, self.offset, self.numel, self.op = (
+            reducer, rounds, segment, offset, numel, op)
+
+    def __call__(self) -> None:
+        self.rounds.append(self.reducer._deposit(self.segment, self.numel, self.op, self.offset))
+        self.reducer.progress()
+
+
+def _totals(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, int] | None:
+    """Elements per dtype, in first-seen order; None when a dtype is one the path leaves to the backend."""
+    totals: dict[torch.dtype, int] = {}
+    for t in tensors:
+        if not t.dtype.is_floating_point or t.dtype in WIRE_DTYPES:
+            return None
+        totals[t.dtype] = totals.get(t.dtype, 0) + t.numel()
+    return totals
 
 
 def _memory_fence() -> None:

@@ -12,8 +12,18 @@ at least two slices, so every worker that arrived has posted its progress) logs
 one WARNING naming the call and the worker ranks that have not reached it; the
 check runs between slices only, so a fast collective pays nothing for it.
 
+A failing worker's cause reaches every peer: the peer that reads the abort key
+says so (``read/<rank>``), and a worker that announced a failure, or leaves the
+interpreter on an uncaught exception (announced then), waits before it leaves,
+at most ``LINGER_SECONDS``, until every peer has read it or stopped
+(:meth:`Watchdog.linger`): a store it serves, and the process a peer's
+shared-memory wait watches, would otherwise go with it, and the peer could say
+only that it died. A wait whose attempt finds a peer gone reads the abort key
+first, so it names the cause whenever the store outlives the failing worker.
+
 Store keys, under one prefix per engine: ``abort`` (the failing worker's
-message), ``progress/<rank>`` (the last cross-process call a worker reached),
+message), ``read/<rank>`` (a worker knows the failure: it read or set ``abort``),
+``progress/<rank>`` (the last cross-process call a worker reached),
 ``p2p/<a>-><b>`` (point-to-point exchanges worker ``a`` reached with ``b``),
 ``meet/<count>.<k>/<rank>`` (a worker reached a host-side collective such as
 ``cr.save``, :meth:`Watchdog.meet`).
@@ -21,10 +31,13 @@ message), ``progress/<rank>`` (the last cross-process call a worker reached),
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import datetime
 import logging
+import sys
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -33,14 +46,15 @@ import torch.distributed as dist
 
 from ... import settings
 from ... import torch_private as tp
-from ...errors import CollectiveMismatchError, CollectiveTimeoutError, CrossReplicaError, ReplicaAborted
+from ...errors import (CollectiveMismatchError, CollectiveTimeoutError, CrossReplicaError, ReplicaAborted,
+                       ReplicaError)
 from ...logs import slow_seconds
 from ..base import Call
 from ..deadline import Deadline
 from .heartbeat import Heartbeat, Pulses, describe, period
 from .store_probe import StoreProbe
 
-__all__ = ["Watchdog", "WorkerFailedError", "is_peer_loss"]
+__all__ = ["LINGER_SECONDS", "Watchdog", "WorkerFailedError", "is_peer_loss"]
 
 _SLICE = 0.25  # seconds between abort-key checks while a collective waits
 _BATCH = 0.02  # seconds a point-to-point wait polls the store on the probe's thread between such checks
@@ -56,6 +70,11 @@ _GLOO_LOSS_WORDS = ("connection", "closed", "reset by peer", "broken pipe", "rea
                     "timed out", "timeout", "socket", "unreachable", "gloo", "nccl")
 # gloo's Work.wait(timeout) ends a slice with this untyped RuntimeError; the work goes on.
 _GLOO_SLICE_TIMEOUT = "Operation timed out"
+#: at most how long a worker that failed waits, before it leaves, until its peers have read why
+LINGER_SECONDS = 10.0
+# The failures that are another worker's (or a lost peer's) consequence: never announced at exit.
+_CONSEQUENCES = (ReplicaAborted, CollectiveTimeoutError, CollectiveMismatchError)
+_GONE = object()  # a store call that failed or did not answer (linger)
 
 
 class WorkerFailedError(CollectiveTimeoutError):
@@ -117,6 +136,10 @@ class Watchdog:
         self._exchanges: dict[int, int] = {}  # peer worker -> point-to-point exchanges with it so far
         self._meetings = 0  # host-side collectives met so far (meet)
         self._transfer_thread: ThreadPoolExecutor | None = None  # waits point-to-point works (Transfers)
+        #: the failure this worker announced (the first), which its peers must read before it leaves
+        self.announced: str | None = None
+        self._lingered = False
+        _LIVE.add(self)
 
     @property
     def prefix(self) -> str:
@@ -145,13 +168,13 @@ class Watchdog:
             wait = Deadline(self.timeout, self.slow)
         posted = False
         pause = min(1e-4, pace)
-        while not attempt():
+        while not self._attempt(attempt):
             if not posted:
                 self.post_progress()
                 posted = True
             aborted = self.abort_message()
             if aborted is not None:
-                raise ReplicaAborted(f"{aborted}; this worker was released from {self.where}")
+                raise self.released(aborted)
             if wait.waited >= _SLICE:  # never on a fast exchange's path
                 self.raise_if_peers_lost()
             if wait.expired():
@@ -171,6 +194,17 @@ class Watchdog:
         if wait.warned:
             self.completed(wait)
         return wait
+
+    def _attempt(self, attempt: Callable[[], bool]) -> bool:
+        """``attempt()``; when it finds a peer gone, another worker's announced failure (which
+        may be why that peer left) is raised instead, so this worker names the cause."""
+        try:
+            return attempt()
+        except CollectiveTimeoutError as e:
+            aborted = self.abort_message()
+            if aborted is None:
+                raise
+            raise self.released(aborted) from e
 
     def wait(self, work: Any, ranks: Sequence[int]) -> None:
         """Waits for ``work`` in slices (:meth:`until`)."""
@@ -286,6 +320,7 @@ class Watchdog:
     def close(self) -> None:
         """Stops this worker's heartbeat (the engine is closed); a transfer still waited on
         ends at its deadline."""
+        _LIVE.discard(self)
         if self.heartbeat is not None:
             self.heartbeat.stop()
         if self._transfer_thread is not None:
@@ -343,8 +378,58 @@ class Watchdog:
     # shows up as a lost peer instead) answers its default. The timeout still bounds every wait.
 
     def announce(self, message: str) -> None:
-        """Sets the abort key, so the other workers stop waiting (best effort)."""
-        self.probe(None, lambda s: s.set(f"{self._prefix}/abort", message))
+        """Sets the abort key, so the other workers stop waiting (best effort); before this
+        worker leaves, it waits for them to read it (:meth:`linger`)."""
+        if self.announced is None:
+            self.announced = message
+        abort, read = f"{self._prefix}/abort", f"{self._prefix}/read/{self.rank}"
+        self.probe(None, lambda s: (s.set(abort, message), s.set(read, "1")))
+
+    def released(self, aborted: str) -> ReplicaAborted:
+        """The error of this worker, released from its wait by another worker's failure
+        (``aborted``: the abort key's message); posts that it has read the cause, so the
+        failing worker need not wait for it before leaving (:meth:`linger`)."""
+        read = f"{self._prefix}/read/{self.rank}"
+        self.probe(None, lambda s: s.set(read, "1"))
+        return ReplicaAborted(f"{aborted}; this worker was released from {self.where}")
+
+    def announce_at_exit(self, failure: BaseException) -> None:
+        """Announces ``failure``, the exception this process leaves on, unless this worker
+        announced one already or ``failure`` is the consequence of another worker's (the
+        abort key is set, or it is a timeout, mismatch or release of ours)."""
+        if self.announced is not None or self.store is None or self.world_size == 1:
+            return
+        original = failure.original if isinstance(failure, ReplicaError) else failure
+        if isinstance(failure, _CONSEQUENCES) or isinstance(original, _CONSEQUENCES):
+            return
+        if self.abort_message() is not None:
+            return
+        self.announce(f"worker rank {self.rank} failed: {type(original).__name__}: {original}")
+
+    def linger(self, seconds: float = LINGER_SECONDS) -> None:
+        """Once, before this worker leaves after announcing a failure: waits until every peer
+        has read it (or announced one of its own), its heartbeat has stopped, or the store
+        stops answering, at most ``seconds`` (and the timeout). A peer that reads the cause
+        after this worker's exit could not name it: the store may be this worker's, and a
+        peer's shared-memory wait takes a vanished process for a dead one."""
+        if self.announced is None or self._lingered or self.store is None or self.world_size == 1:
+            return
+        self._lingered = True
+        keys = {peer: f"{self._prefix}/read/{peer}" for peer in range(self.world_size) if peer != self.rank}
+        end = time.monotonic() + min(seconds, self.timeout)
+        while True:
+            unread = self.probe(_GONE, lambda s: [peer for peer, key in keys.items() if not s.check([key])])
+            if unread is _GONE or not unread:
+                return
+            stopped = set(self.stopped_peers())
+            unread = [peer for peer in unread if peer not in stopped]
+            if not unread:
+                return
+            if time.monotonic() >= end:
+                _log.warning("worker rank %d leaves before worker ranks %s read why it failed (waited %gs): "
+                             "they may report it only as lost", self.rank, unread, min(seconds, self.timeout))
+                return
+            time.sleep(_LINGER_POLL)
 
     def post_progress(self) -> None:
         count = str(self.count)
@@ -396,12 +481,12 @@ class Watchdog:
         """Turns a backend error (a peer closed its connection) into our error type."""
         aborted = self.abort_message()
         if aborted is not None:
-            return ReplicaAborted(f"{aborted}; this worker was released from {self.where}")
+            return self.released(aborted)
         self.post_progress()
         missing = self._stopped_heartbeats() or self._missing(range(self.world_size), grace=1.0)
         aborted = self.abort_message()
         if aborted is not None:
-            return ReplicaAborted(f"{aborted}; this worker was released from {self.where}")
+            return self.released(aborted)
         replicas = self._replicas_of(missing)
         who = (f"worker ranks {missing} (replicas {list(replicas)}) did not reach it and are presumed "
                f"dead" if missing else "the failing worker is unknown")
@@ -458,6 +543,28 @@ class Transfers:
             for _, later in self._pending.values():  # not started: nobody will wait for them
                 later.cancel()
             raise
+
+
+#: the watchdogs of the engines not closed yet (:func:`_at_exit`)
+_LIVE: weakref.WeakSet[Watchdog] = weakref.WeakSet()
+_LINGER_POLL = 0.05  # seconds between a lingering worker's looks at its peers
+
+
+def _at_exit() -> None:
+    """As the interpreter exits: each open engine publishes the uncaught exception the
+    process leaves on (if any) and waits for its peers to read its failure (:meth:`Watchdog.linger`).
+    Registered after the heartbeat's and the probe's exit hooks, so it runs before them."""
+    failure = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)  # set for an uncaught one
+    for watchdog in list(_LIVE):
+        try:
+            if isinstance(failure, BaseException):
+                watchdog.announce_at_exit(failure)
+            watchdog.linger()
+        except Exception as e:  # noqa: BLE001 - the exit goes on; the peers then say the worker was lost
+            _log.debug("worker rank %d could not publish its failure at exit: %s", watchdog.rank, e)
+
+
+atexit.register(_at_exit)
 
 
 def _wait_by(work: Any, end: float) -> None:
