@@ -105,8 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="train in the layout-invariant mode: the final parameters are bitwise the same "
                             "for any number of replicas, workers and hosts (docs/layout_invariance.md)")
     train.add_argument("--micro-batches", type=_positive_int, default=8,
-                       help="micro-batches per global batch with --layout-invariant; the replicas in sync "
-                            "must divide it (default 8; 24 also allows 3 and 6)")
+                       help="micro-batches per global batch with --layout-invariant; any number of replicas "
+                            "in sync up to it gives the same bits, so a fault-tolerant job may shrink to any "
+                            "count (default 8; a multiple of the replica count balances their work)")
     train.add_argument("--save-params", metavar="PATH", default=None,
                        help="torch.save the final model's state_dict to PATH (on the chief), e.g. to compare "
                             "two layouts: torch.equal on every tensor")

@@ -6,7 +6,9 @@ torch.device, a tensor (its device), a DistributedValues (the device of each
 of its values) or a ``cr.Variable`` (the device of each copy, as TF's optimizers
 pass it). Like TF's, the ops work in cross-replica context only. Results are
 always :class:`~crossreplica.values.Mirrored`, one copy per destination device,
-each a distinct tensor.
+each a distinct tensor. An implementation may return, as TF's contract allows,
+a tensor (TF's ``add_n``) or a DistributedValues: :func:`as_mirrored` turns
+either into that Mirrored, so every caller of the ops gets one form.
 
 What the ops need from a strategy is a :class:`Reducer` (the strategy's
 ``extended``), passed explicitly by ``strategy.extended.reduce_to`` and
@@ -58,6 +60,7 @@ __all__ = [
     "ReductionToOneDevice",
     "AllReduceCrossDeviceOps",
     "Reducer",
+    "as_mirrored",
     "get_devices_from",
 ]
 
@@ -106,6 +109,41 @@ def _copies(t: torch.Tensor, devices: Sequence[torch.device], fresh: bool = True
         else:
             out.append(t.to(d, copy=True))
     return Mirrored(out)
+
+
+def _aliases(t: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether ``t`` shares memory with one of ``inputs`` (a caller's tensor)."""
+    if t.layout is not torch.strided:
+        return any(t is x for x in inputs)
+    ptr = t.untyped_storage().data_ptr()
+    return any(x.layout is torch.strided and x.untyped_storage().data_ptr() == ptr for x in inputs)
+
+
+def as_mirrored(result: Any, devices: Sequence[torch.device], inputs: Sequence[torch.Tensor],
+                where: str) -> Mirrored:
+    """What a cross-device reduction returned, as the Mirrored every caller reads: one distinct
+    copy per destination device. TF's contract lets ``reduce`` return a tensor or a
+    DistributedValues: a tensor (or a DistributedValues of one value) is copied to every
+    destination; a DistributedValues of one value per destination keeps its values (copied
+    where they are a caller's tensor or placed elsewhere). ``where`` names the method for errors."""
+    if isinstance(result, DistributedValues):
+        values = list(result.values)
+        if len(values) == len(devices) and all(isinstance(v, torch.Tensor) for v in values):
+            out = [v.to(d, copy=True) if v.device != d or _aliases(v, inputs) or any(v is w for w in values[:i])
+                   else v for i, (v, d) in enumerate(zip(values, devices))]
+            return result if isinstance(result, Mirrored) and all(a is b for a, b in zip(out, values)) \
+                else Mirrored(out)
+        if len(values) != 1:
+            raise ValueError(
+                f"{where} returned a {type(result).__name__} of {len(values)} values for {len(devices)} "
+                f"destination device(s) {[str(d) for d in devices]}; return one tensor (copied to every "
+                f"destination) or one tensor per destination device")
+        result = values[0]
+    if not isinstance(result, torch.Tensor):
+        raise ValueError(
+            f"{where} must return a tensor or a cr.DistributedValues (one value per destination device); it "
+            f"returned {type(result).__name__}: {summarize(result)}")
+    return _copies(result, devices, fresh=not _aliases(result, inputs))
 
 
 class Reducer(Protocol):
@@ -240,8 +278,13 @@ class CrossDeviceOps:
             else:  # TF's signature: (reduce_op, value_destination_pairs, options)
                 tf_pairs: Any = [(PerReplica(v), dest) for _, v, _, dest in batch]
                 outs = self.batch_reduce_implementation(op, tf_pairs, options)  # type: ignore[call-arg]
-            for (i, _, _, _), out in zip(batch, outs):
-                results[i] = out
+            where = f"{type(self).__name__}.batch_reduce_implementation"
+            if isinstance(outs, (torch.Tensor, DistributedValues)) or not isinstance(outs, abc.Sequence) \
+                    or len(outs) != len(batch):
+                raise ValueError(f"{where} must return a list of one result per (value, destinations) pair "
+                                 f"({len(batch)}); it returned {summarize(outs)}")
+            for (i, values, devices, _), out in zip(batch, outs):
+                results[i] = as_mirrored(out, devices, values, f"{where} (pair {i})")
         return results
 
     def broadcast(self, tensor: Any, destinations: Any) -> Mirrored:
@@ -272,8 +315,10 @@ class CrossDeviceOps:
         """:meth:`reduce_implementation` called with crossreplica's arguments, or with TF's
         four (a PerReplica and the caller's destinations) when the override takes those."""
         if takes_reducer(self, "reduce_implementation"):
-            return self.reduce_implementation(op, values, devices, options, reducer)
-        return self.reduce_implementation(op, PerReplica(values), destinations, options)  # type: ignore[call-arg,arg-type]
+            out: Any = self.reduce_implementation(op, values, devices, options, reducer)
+        else:
+            out = self.reduce_implementation(op, PerReplica(values), destinations, options)  # type: ignore[call-arg,arg-type]
+        return as_mirrored(out, devices, values, f"{type(self).__name__}.reduce_implementation")
 
     # ---------------------------------------------------------------- to implement
 
@@ -283,7 +328,9 @@ class CrossDeviceOps:
         """Reduces validated per-replica ``values`` onto ``devices`` (across replicas through
         ``reducer``). An override may use TF's signature instead, ``(reduce_op,
         per_replica_value, destinations, options)``: it then gets a PerReplica and the
-        caller's destinations (the ``reducer`` is ``cr.get_strategy().extended``)."""
+        caller's destinations (the ``reducer`` is ``cr.get_strategy().extended``). It may
+        return, as TF's may, a tensor (copied to every destination) or a DistributedValues
+        of one value per destination device (:func:`as_mirrored`)."""
         raise NotImplementedError(f"{type(self).__name__} must implement reduce_implementation")
 
     def batch_reduce_implementation(self, reduce_op: ReduceOp,
@@ -291,7 +338,8 @@ class CrossDeviceOps:
                                     options: CommunicationOptions | None,
                                     reducer: Reducer | None = None) -> list[Mirrored]:
         """Reduces validated pairs; the default reduces them one by one. An override may use
-        TF's signature, ``(reduce_op, value_destination_pairs, options)``."""
+        TF's signature, ``(reduce_op, value_destination_pairs, options)``, and return for each
+        pair what :meth:`reduce_implementation` may."""
         args = [_impl_args(v, d, reducer) for v, d in pairs]
         return [self._reduce_one(reduce_op, v, d, dest, options, r) for (v, d, r), (_, dest) in zip(args, pairs)]
 

@@ -78,8 +78,11 @@ def reduce_non_distributed_value(op: ReduceOp, value: Any, num_replicas: int) ->
 #
 # * low precision floats (float16, bfloat16, float8 types, complex32): SUM, MEAN and
 #   PROD accumulate in float32 / complex64 and round once at the end (no overflow of
-#   the partial sums where the result is representable). MAX/MIN need no upcast,
-#   except for float8, which torch cannot compare (the round trip is exact).
+#   the partial sums where the result is representable). A float8 product of a few
+#   values is exact in float32, so its result is the correctly rounded product, not
+#   that of a fold rounding after each step (docs/collectives.md, "Numbers and dtypes").
+#   MAX/MIN need no upcast, except for float8, which torch cannot compare (the round
+#   trip is exact).
 # * unsigned ints torch cannot add or compare (uint16, uint32, uint64): viewed as the
 #   signed int of the same width. SUM and PROD wrap bit for bit the same; for MAX and
 #   MIN the sign bit is flipped before and after, which maps unsigned order onto

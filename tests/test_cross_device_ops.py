@@ -245,3 +245,68 @@ def test_bad_reduction_to_one_device_arguments():
 def test_strategy_rejects_bad_cross_device_ops():
     with pytest.raises(ValueError, match="cross_device_ops must be a cr.CrossDeviceOps"):
         cr.MirroredStrategy(2, cross_device_ops="nccl")
+
+
+class _Returns(cr.CrossDeviceOps):
+    """An implementation that returns whatever it is given to return."""
+
+    def __init__(self, result):
+        self.result = result
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        return self.result(per_replica_value)
+
+
+def test_an_implementations_tensor_or_distributed_result_becomes_a_mirrored():
+    value = per_replica(2)
+    expected = value.values[0] + value.values[1]
+    cases = {"tensor": lambda v: v.values[0] + v.values[1],
+             "one value": lambda v: cr.PerReplica([v.values[0] + v.values[1]]),
+             "the caller's tensor": lambda v: v.values[0]}
+    for name, result in cases.items():
+        s = strategy(2, _Returns(result))
+        out = s.extended.reduce_to("sum", value, value)
+        assert isinstance(out, cr.Mirrored) and len(out.values) == 2, name
+        assert out.values[0] is not out.values[1], name
+        assert all(v is not x for v in out.values for x in value.values), name  # never the caller's tensor
+        want = value.values[0] if name == "the caller's tensor" else expected
+        assert all(torch.equal(v, want) for v in out.values), name
+        assert torch.equal(s.reduce("sum", value, axis=None), want), name
+
+
+@pytest.mark.parametrize("result,match", [
+    (lambda v: None, r"_Returns.reduce_implementation must return a tensor or a cr.DistributedValues \(one value "
+                     r"per destination device\); it returned NoneType"),
+    (lambda v: cr.PerReplica([torch.zeros(3, 2)] * 3),
+     r"_Returns.reduce_implementation returned a PerReplica of 3 values for 2 destination device\(s\)"),
+])
+def test_an_implementations_unusable_result_is_named(result, match):
+    s = strategy(2, _Returns(result))
+    value = per_replica(2)
+    with pytest.raises(ValueError, match=match):
+        s.extended.reduce_to("sum", value, value)
+    with pytest.raises(ValueError, match=match):  # the base class's batch: one reduce_implementation per pair
+        s.extended.batch_reduce_to("sum", [(value, value)])
+
+
+class _BatchReturns(cr.CrossDeviceOps):
+    """A batch implementation (TF's signature) that returns whatever it is given to return."""
+
+    def __init__(self, result):
+        self.result = result
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        return self.result
+
+
+@pytest.mark.parametrize("result,match", [
+    (torch.zeros(1), r"_BatchReturns.batch_reduce_implementation must return a list of one result per "
+                     r"\(value, destinations\) pair \(2\); it returned tensor"),
+    ([torch.zeros(1), None], r"_BatchReturns.batch_reduce_implementation \(pair 1\) must return a tensor or a "
+                             r"cr.DistributedValues"),
+])
+def test_a_batch_implementations_unusable_result_is_named(result, match):
+    s = strategy(2, _BatchReturns(result))
+    value = per_replica(2)
+    with pytest.raises(ValueError, match=match):
+        s.extended.batch_reduce_to("sum", [(value, "cpu"), (value, value)])

@@ -176,6 +176,60 @@ def test_every_reduction_goes_through_cross_device_ops(engine):
         assert out["f_sizes"] == [N] * 5
 
 
+# ------------------------------------------------------------------ implementations that return a tensor
+
+
+class AddN(cr.CrossDeviceOps):
+    """TF's signatures, returning plain tensors as TF's add_n does (TF's contract: a tensor or
+    a DistributedValues): the reduction over every replica, in replica order."""
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        return cr.get_strategy().extended.reduce_values(reduce_op, list(per_replica_value.values))
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        return [self.reduce_implementation(reduce_op, v, d, options) for v, d in value_destination_pairs]
+
+
+class PlainTensor(cr.CrossDeviceOps):
+    """crossreplica's signature; ``reduce_implementation`` returns the reducer's tensor itself
+    (``batch_reduce`` is the base class's, one by one)."""
+
+    def reduce_implementation(self, reduce_op, values, devices, options, reducer):
+        return reducer.reduce_values(reduce_op, values)
+
+
+def _tensor_results_main(base):
+    out = {}
+    for name, cdo in (("tf", AddN()), ("crossreplica", PlainTensor())):
+        s = _like(base, cdo)
+        values = cr.PerReplica([value_of(r) for r in s.extended.local_replica_ids])
+        summed, mean = s.run(_all_reduce, (values,))
+        to = s.extended.reduce_to("sum", values, "cpu")
+        batch = s.extended.batch_reduce_to("mean", [(values, "cpu"), (values, values)])
+        assert isinstance(to, cr.Mirrored) and all(isinstance(m, cr.Mirrored) for m in batch)
+        out[name] = {"reduce": s.reduce("sum", values), "reduce_mean": s.reduce("mean", values),
+                     "all_reduce": list(s.experimental_local_results(summed)),
+                     "all_reduce_mean": [m["v"] for m in s.experimental_local_results(mean)],
+                     "reduce_to": list(to.values), "batch_reduce_to": [list(m.values) for m in batch],
+                     "distinct": len({id(t) for t in batch[1].values}) == len(batch[1].values)}
+    return out
+
+
+def test_ops_whose_implementation_returns_a_tensor_work_everywhere(engine):
+    expected = sequential([value_of(r) for r in range(N)])
+    for worker in run_main(engine, _tensor_results_main):
+        for name, out in worker.items():
+            assert torch.equal(out["reduce"], expected), name
+            assert torch.equal(out["reduce_mean"], expected / N), name
+            assert all(torch.equal(t, expected) for t in out["all_reduce"]), name
+            assert all(torch.equal(t, expected / N) for t in out["all_reduce_mean"]), name
+            assert [torch.equal(t, expected) for t in out["reduce_to"]] == [True], name
+            one, per_replica = out["batch_reduce_to"]
+            assert len(one) == 1 and len(per_replica) == len(out["all_reduce"]), name  # one per local replica
+            assert all(torch.equal(t, expected / N) for t in one + per_replica), name
+            assert out["distinct"], name  # one copy of its own per destination
+
+
 # ------------------------------------------------------------------ timeouts
 
 def _late(x):

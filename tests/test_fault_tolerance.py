@@ -204,13 +204,15 @@ def test_the_launcher_gives_each_worker_torchruns_environment_and_a_job_secret(t
 # ---------------------------------------------------------------------- whole runs
 
 
-def _train(tmp_path, name: str, *extra: str, workers: int = 3, timeout: float = 30) -> subprocess.CompletedProcess:
-    """``crossreplica launch`` of the demo on ``workers`` workers (layout-invariant, 6 micro-batches)."""
+def _train(tmp_path, name: str, *extra: str, workers: int = 3, timeout: float = 30,
+           micro_batches: int | None = 6) -> subprocess.CompletedProcess:
+    """``crossreplica launch`` of the demo on ``workers`` workers (layout-invariant, ``micro_batches``
+    micro-batches; None: the CLI's default)."""
     params = tmp_path / f"{name}.pt"
+    count = [] if micro_batches is None else ["--micro-batches", str(micro_batches)]
     cmd = [PYTHON, "-m", "crossreplica.cli", "launch", "--workers", str(workers), "--grace-seconds", "3", "--",
            PYTHON, "-m", "crossreplica.cli", "train", "--strategy", "multi_worker", "--layout-invariant",
-           "--micro-batches", "6", "--epochs", "1", "--no-compare", "--save-params", str(params),
-           "--log-level", "WARNING", *extra]
+           *count, "--epochs", "1", "--no-compare", "--save-params", str(params), "--log-level", "WARNING", *extra]
     env = {**os.environ, "CROSSREPLICA_TIMEOUT": str(timeout), "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
 
@@ -249,6 +251,22 @@ def test_a_run_that_loses_a_worker_goes_on_and_ends_bitwise_at_the_uninterrupted
     else:  # woken once the others finished, the frozen worker finds itself fenced out and stops
         assert "worker 1 was left out of the job's membership" in done.stderr
         assert "worker 1 exited with code 3" in done.stderr
+
+
+@pytest.mark.multiprocess
+def test_survivors_over_whom_the_micro_batches_do_not_divide_go_on_bitwise(tmp_path):
+    # The CLI's default 8 micro-batches on 4 workers; the 3 survivors hold micro-batches
+    # [0, 3), [3, 6) and [6, 8) (and an empty one, which adds nothing to the fixed tree).
+    want = _train(tmp_path, "four", workers=4, micro_batches=None)
+    assert want.returncode == 0, want.stderr
+    done = _train(tmp_path, "killed", "--fault-tolerant", "--kill-worker-at-step", "1:4", workers=4,
+                  micro_batches=None)
+    assert done.returncode == 0, done.stderr
+    warnings = [line for line in done.stderr.splitlines() if "crossreplica.fault_tolerance" in line]
+    assert len(warnings) == 3 and all("regrouped into 3 workers (3 replicas in sync" in w for w in warnings), \
+        done.stderr
+    got, reference = _params(tmp_path, "killed"), _params(tmp_path, "four")
+    assert got.keys() == reference.keys() and all(torch.equal(got[k], reference[k]) for k in got)
 
 
 @pytest.mark.multiprocess

@@ -31,6 +31,7 @@ import torch
 
 from .. import context, nest
 from ..errors import CheckpointError, ReplicaContextError
+from .fileio import CheckpointWriteError
 from .fileio import atomic_save as _atomic_save
 from .fileio import file_bytes as _file_bytes
 from .fileio import read as _read
@@ -48,7 +49,7 @@ from .workers import cross_process as _cross_process
 if TYPE_CHECKING:
     from ..strategies.base import Strategy
 
-__all__ = ["save", "load"]
+__all__ = ["CheckpointWriteError", "save", "load"]
 
 
 def _resolve(strategy: Strategy | None, api: str) -> Strategy:
@@ -77,7 +78,10 @@ def save(path: str | os.PathLike, state: Any, *, strategy: Strategy | None = Non
     Raises:
         TypeError: ``path`` is not a path.
         ValueError: a PerReplica in ``state`` does not have one value per local replica.
-        RuntimeError: the chief failed to write (on the other workers).
+        CheckpointError: the file could not be written (a full disk, an I/O error, no
+            permission): a ``CheckpointWriteError``, also an OSError with the cause's errno,
+            naming the path and the cause; on the other workers, a CheckpointError with the
+            chief's message. The previous file at ``path`` is left as it was.
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"cr.save: path must be a str or os.PathLike; got {path!r}")
@@ -96,12 +100,15 @@ def save(path: str | os.PathLike, state: Any, *, strategy: Strategy | None = Non
             _atomic_save(plain, path)
         except BaseException as e:  # noqa: BLE001 - reported to every worker below
             failure = e
-    # The barrier carries the outcome: every worker learns whether the chief succeeded.
-    failed = workers.max_flag(1 if failure is not None else 0)
+    # The barrier carries the outcome: every worker learns whether the chief succeeded, and why not.
+    said = b"" if failure is None else (str(failure) if isinstance(failure, CheckpointError)
+                                        else f"cr.save: the chief (rank 0) could not write {path!r}: "
+                                             f"{type(failure).__name__}: {failure}").encode()
+    status, message = workers.share_from_chief(_OK if failure is None else _FAILED, said)
     if failure is not None:
         raise failure
-    if failed:
-        raise RuntimeError(f"cr.save: the chief (rank 0) failed to write {path!r}; see its log")
+    if status != _OK:
+        raise CheckpointError(f"{message.decode(errors='replace')} (written by the chief, rank 0)")
 
 
 def load(path: str | os.PathLike, *, into: Any = None, map_location: Any = "cpu", strategy: Strategy | None = None,
@@ -117,14 +124,16 @@ def load(path: str | os.PathLike, *, into: Any = None, map_location: Any = "cpu"
 
     Returns:
         The saved nest: state dicts, tensors and builtins. State saved once per replica
-        comes back as a PerReplica of this process's replicas' parts.
+        comes back as a PerReplica of this process's replicas' parts; with ``into``, such
+        an entry saved on another number of replicas that ``into`` does not restore comes
+        back as its record, ``{"__crossreplica_value__": "per_replica", "replicas": [...]}``.
 
     Raises:
         FileNotFoundError: on every worker, when the chief has no file at ``path``.
         CheckpointError: the file is truncated, corrupted, not a checkpoint, or holds a
             value the safe loader does not read (on every worker); an entry of ``into``
-            is missing or refuses its state; per-replica state saved on another number
-            of replicas.
+            is missing or refuses its state; per-replica state asked for (restored into
+            ``into``, or returned without ``into``) saved on another number of replicas.
         TypeError: ``path`` is not a path; a leaf of ``into`` cannot be restored in place.
     """
     if not isinstance(path, (str, os.PathLike)):
@@ -134,7 +143,9 @@ def load(path: str | os.PathLike, *, into: Any = None, map_location: Any = "cpu"
     value = _read_everywhere(path, map_location, weights_only, strategy)
     if into is not None:
         _restore(into, value, strategy)
-    return _resolve_records(value, strategy)
+    # Only what the caller asks for may fail: with into=, a per-replica entry it does not
+    # restore, saved on another replica count, comes back as saved (every replica's state).
+    return _resolve_records(value, strategy, strict=into is None)
 
 
 def _read_everywhere(path: str, map_location: Any, weights_only: bool, strategy: Strategy) -> Any:

@@ -137,17 +137,22 @@ def pick(value: Any, replica: int, num_replicas: int, name: str) -> Any:
     return value["replicas"][replica]
 
 
-def resolve(value: Any, strategy: Strategy, path: tuple = ()) -> Any:
+def resolve(value: Any, strategy: Strategy, path: tuple = (), strict: bool = True) -> Any:
     """The loaded nest with each record replaced by this strategy's replicas' parts: a
     PerReplica of the local replicas' values (the value itself for one local replica
-    unless the strategy always wraps)."""
+    unless the strategy always wraps). A record saved on another number of replicas is a
+    CheckpointError when ``strict``; otherwise (``cr.load(into=...)``, where only the
+    entries asked for may fail) it stays the record, every saved replica's state."""
     if is_record(value):
         ext = strategy.extended
+        n = int(ext.num_replicas_in_sync)
+        if not strict and len(value["replicas"]) != n:
+            return value
         local_ids = tuple(ext.local_replica_ids)
         name = "the checkpoint's entry " + nest.path_str(path)
-        parts = [pick(value, g, int(ext.num_replicas_in_sync), name) for g in local_ids]
+        parts = [pick(value, g, n, name) for g in local_ids]
         return parts[0] if len(parts) == 1 and not ext.always_wrap else PerReplica(parts)
     if nest.is_container(value):
         keys, items = nest.children(value)
-        return nest.rebuild(value, keys, [resolve(v, strategy, path + (k,)) for k, v in zip(keys, items)])
+        return nest.rebuild(value, keys, [resolve(v, strategy, path + (k,), strict) for k, v in zip(keys, items)])
     return value

@@ -3,7 +3,9 @@
 numpy arrays and scalars, namedtuples and dataclasses become plain dicts of
 tensors and builtins marked with a tag, which ``torch.load(weights_only=True)``
 reads; loading turns them back, looking classes up only among modules already
-imported (a checkpoint never imports code).
+imported (a checkpoint never imports code). A tagged entry that does not decode
+(damaged or crafted: a bad dtype, shape, field name or count) is a
+CheckpointError naming the path, the entry and the cause.
 """
 
 from __future__ import annotations
@@ -62,34 +64,67 @@ def _lookup(module: str, qualname: str) -> Any:
     return obj if isinstance(obj, type) else None
 
 
-def decode(value: Any, path: str) -> Any:
+def decode(value: Any, path: str, where: tuple = ()) -> Any:
+    """The inverse of :func:`encode` for a loaded nest (read from ``path``, which errors name)."""
     if isinstance(value, dict):
         kind = value.get(_TAG)
-        if kind == "numpy":
-            import numpy as np
-            arr = np.frombuffer(value["data"].numpy().tobytes(), dtype=np.dtype(value["dtype"]))
-            arr = arr.reshape(value["shape"]).copy()
-            return arr[()] if value["scalar"] else arr
-        if kind == "namedtuple":
-            found = _lookup(value["module"], value["name"])
-            if found is None or not issubclass(found, tuple) or list(getattr(found, "_fields", ())) != value["fields"]:
-                found = collections.namedtuple(  # type: ignore[misc,no-redef]  # a class of the same shape
-                    value["name"].rsplit(".", 1)[-1], value["fields"])
-            return found(*(decode(v, path) for v in value["values"]))
-        if kind == "dataclass":
-            cls = _lookup(value["module"], value["name"])
-            if cls is None or not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        if kind in _DECODERS:
+            try:
+                return _DECODERS[kind](value, path, where)
+            except CheckpointError:
+                raise
+            except Exception as e:  # noqa: BLE001 - whatever a damaged or crafted entry makes the conversion raise
+                text = str(e).splitlines()[0][:120] if str(e) else ""
                 raise CheckpointError(
-                    f"cr.load: {path!r} holds a {value['module']}.{value['name']} dataclass; import "
-                    f"{value['module']} before loading (checkpoints never import code themselves)")
-            obj = cls.__new__(cls)
-            for k, v in value["fields"].items():
-                object.__setattr__(obj, k, decode(v, path))
-            return obj
-        out = {k: decode(v, path) for k, v in value.items()}
+                    f"cr.load: {path!r} holds a {kind} entry at {_place(where)} that does not decode (damaged, "
+                    f"or not written by cr.save): {type(e).__name__}{': ' + text if text else ''}") from None
+        out = {k: decode(v, path, where + (k,)) for k, v in value.items()}
         return type(value)(out) if type(value) is OrderedDict else out
     if isinstance(value, list):
-        return [decode(v, path) for v in value]
+        return [decode(v, path, where + (i,)) for i, v in enumerate(value)]
     if isinstance(value, tuple):
-        return tuple(decode(v, path) for v in value)
+        return tuple(decode(v, path, where + (i,)) for i, v in enumerate(value))
     return value
+
+
+def _place(where: tuple) -> str:
+    return "the top level" if not where else "".join(f"[{k!r}]" for k in where)
+
+
+def _numpy(value: dict, path: str, where: tuple) -> Any:
+    import numpy as np
+    dtype = np.dtype(value["dtype"])
+    if dtype.hasobject:  # never objects from a checkpoint
+        raise TypeError(f"dtype {dtype} holds Python objects")
+    data = value["data"]
+    if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8:
+        raise TypeError(f"its data is {summarize(data)}, not a uint8 tensor")
+    arr = np.frombuffer(data.numpy().tobytes(), dtype=dtype).reshape(value["shape"]).copy()
+    return arr[()] if value["scalar"] else arr
+
+
+def _namedtuple(value: dict, path: str, where: tuple) -> Any:
+    found = _lookup(value["module"], value["name"])
+    fields, saved = list(value["fields"]), list(value["values"])
+    if len(saved) != len(fields):
+        raise ValueError(f"{len(saved)} values for {len(fields)} fields")
+    values = [decode(v, path, where + (f,)) for f, v in zip(fields, saved)]
+    if found is None or not issubclass(found, tuple) or list(getattr(found, "_fields", ())) != fields:
+        found = collections.namedtuple(  # type: ignore[misc,no-redef]  # a class of the same shape
+            value["name"].rsplit(".", 1)[-1], fields)
+    return found(*values)
+
+
+def _dataclass(value: dict, path: str, where: tuple) -> Any:
+    cls = _lookup(value["module"], value["name"])
+    if cls is None or not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise CheckpointError(
+            f"cr.load: {path!r} holds a {value['module']}.{value['name']} dataclass; import "
+            f"{value['module']} before loading (checkpoints never import code themselves)")
+    obj = cls.__new__(cls)
+    for k, v in value["fields"].items():
+        object.__setattr__(obj, k, decode(v, path, where + (k,)))
+    return obj
+
+
+_DECODERS = {"numpy": _numpy, "namedtuple": _namedtuple, "dataclass": _dataclass}

@@ -19,7 +19,7 @@ import torch
 
 from ..collectives.tree import tree_all_sum
 from ..errors import summarize
-from ..micro_batches import MicroBatch, PendingGradients, leaf_value
+from ..micro_batches import MicroBatch, PendingGradients, leaf_value, nothing_like
 from ..random_streams import current_stream, entered
 from ..reduce_op import ReduceOp
 from ..tree_sum import Node, sequential_sum
@@ -74,9 +74,11 @@ class _Current:
 
     def __init__(self, mb: MicroBatch, params: list[torch.Tensor], weight: float | None):
         self.first, self.count, self.total = mb.first, 1, mb.total
-        self.weight = weight
+        self.slots, self.counted = mb.slots, mb.counted
+        self.weight = weight if mb.rows else None  # an empty micro-batch contributes nothing
         self.weighted = weight is not None
-        self.leaves = {id(p): leaf_value(p.grad, weight) for p in params if p.grad is not None}
+        self.leaves = ({id(p): leaf_value(p.grad, weight) for p in params if p.grad is not None} if mb.rows
+                       else {})
 
     def nodes(self) -> list[Node]:
         return [(self.first, self.first + 1)]
@@ -189,17 +191,23 @@ def _combine(runs: Sequence[Any], params: list[torch.Tensor], reduction: ReduceO
         for sums in runs:
             flats = []
             for j, node in enumerate(sums.nodes()):
-                parts = [torch.zeros(p.numel(), dtype=dtype, device=device) if (g := sums.grad_node(p, j)) is None
-                         else g.reshape(-1) for p in members]
+                parts = [nothing_like(torch.empty(p.numel(), dtype=dtype, device=device))
+                         if (g := sums.grad_node(p, j)) is None else g.reshape(-1) for p in members]
                 if key == carrier:
                     parts.append(_node_meta(sums, j, params, dtype, device))
                 flats.append((node, torch.cat(parts) if len(parts) > 1 else parts[0]))
-            per_run.append(tree_all_sum(flats, sums.total))
+            per_run.append(tree_all_sum(flats, sums.slots))
+        size = 1 + len(params) if key == carrier else 0
+        counts = {sums.counted for sums in runs}
+        if reduction is ReduceOp.MEAN and weighted != {True} and len(counts) > 1:
+            # runs of different counts of micro-batches with rows: each run's mean, then their sum
+            # (a run of no rows holds -0.0 sums: nothing to divide, it adds nothing)
+            per_run = [_divided(t, float(sums.counted), size) if sums.counted else t
+                       for t, sums in zip(per_run, runs)]
         total = sequential_sum(per_run)
-        if key == carrier:
-            size = 1 + len(params)
+        if size:
             meta, total = total[-size:].tolist(), total[:-size]
-        if reduction is ReduceOp.MEAN:
+        if reduction is ReduceOp.MEAN and (weighted == {True} or len(counts) == 1):
             if meta is None:  # no float32/float64 gradients to carry it
                 meta = _meta(params, runs)
             total = total.div_(_divisor(meta, weighted, runs))  # fresh buffers, or sums no one else holds
@@ -215,12 +223,31 @@ def _combine(runs: Sequence[Any], params: list[torch.Tensor], reduction: ReduceO
 
 
 def _divisor(meta: list[float], weighted: set[bool | None], runs: Sequence[Any]) -> float:
-    """What the mean divides by: the summed weights, or the micro-batches per batch."""
-    divisor = meta[0] if weighted == {True} else float(runs[0].total)
-    if divisor <= 0:
-        raise ValueError(f"the micro-batches' weights sum to {divisor}; at least one micro-batch must "
+    """What the mean divides by: the summed weights, or the micro-batches with rows (every run
+    has as many)."""
+    if weighted != {True}:
+        return _count(runs[0].counted)
+    if meta[0] <= 0:
+        raise ValueError(f"the micro-batches' weights sum to {meta[0]}; at least one micro-batch must "
                          f"pass weight > 0 (its row count)")
-    return divisor
+    return meta[0]
+
+
+def _count(counted: int) -> float:
+    """An unweighted mean's divisor: the micro-batches of the global batch that have rows
+    (empty ones contribute nothing and are not counted)."""
+    if counted <= 0:
+        raise ValueError("CrossShardOptimizer.step in the layout-invariant mode got a global batch of 0 rows: "
+                         "there is no gradient to average; skip empty batches")
+    return float(counted)
+
+
+def _divided(total: torch.Tensor, divisor: float, size: int) -> torch.Tensor:
+    """``total``'s gradients divided by ``divisor``, its last ``size`` elements (the carried
+    weights and presence) as they are."""
+    if not size:
+        return total / divisor
+    return torch.cat([total[:-size] / divisor, total[-size:]])
 
 
 def _node_meta(sums: Any, j: int, params: list[torch.Tensor], dtype: torch.dtype,
@@ -235,5 +262,5 @@ def _meta(params: list[torch.Tensor], runs: Sequence[Any]) -> list[float]:
     float32/float64 dtype."""
     device = params[0].device if params else torch.device("cpu")
     per_run = [tree_all_sum([(node, _node_meta(sums, j, params, torch.float64, device))
-                             for j, node in enumerate(sums.nodes())], sums.total) for sums in runs]
+                             for j, node in enumerate(sums.nodes())], sums.slots) for sums in runs]
     return sequential_sum(per_run).tolist()

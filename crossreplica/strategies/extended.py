@@ -20,7 +20,7 @@ import torch
 
 from .. import collectives, context, torch_state
 from ..context import ReplicaContext
-from ..cross_device_ops import AllReduceCrossDeviceOps, CommunicationOptions, CrossDeviceOps
+from ..cross_device_ops import AllReduceCrossDeviceOps, CommunicationOptions, CrossDeviceOps, as_mirrored
 from ..engines.base import MERGE_CALL, Engine, check_agreement
 from ..engines.reduction import reduce_into
 from ..engines.sparse import reduce_coo_tensors
@@ -403,12 +403,15 @@ class StrategyExtended:
 
     def cross_device_reduce(self, op: ReduceOp, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Reduces one tensor per local replica through the strategy's cross-device ops, onto
-        the first one's device (``strategy.reduce``, cr.Variable aggregation)."""
+        the first one's device (``strategy.reduce``, cr.Variable aggregation). In the strategy's
+        scope, as ``reduce_to``: an override with TF's signature reduces through the strategy in
+        scope. An override of ``reduce`` itself may return a tensor, as TF's contract allows."""
         xs = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t) for t in tensors]
         options = self.communication_options
-        with self.collective_timeout(options.timeout_seconds if options is not None else None):
-            out = self.cross_device_ops.reduce(op, PerReplica(xs), xs[0].device, options, reducer=self)
-        return out.values[0]
+        ops = self.cross_device_ops
+        with self._container.scope(), self.collective_timeout(options.timeout_seconds if options is not None else None):
+            out = ops.reduce(op, PerReplica(xs), xs[0].device, options, reducer=self)
+        return as_mirrored(out, (xs[0].device,), xs, f"{type(ops).__name__}.reduce").values[0]
 
     def reduce_values(self, op: ReduceOp, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Reduces one tensor per local replica (in local order) over all replicas in sync."""

@@ -1,8 +1,8 @@
 """The replica side of the layout-invariant mode: one call of the replica function per micro-batch.
 
 The rules are :mod:`crossreplica.micro_batches`. Replica ``r`` of ``R`` runs
-micro-batches ``[r * k, (r + 1) * k)`` (``k = M / R``) of each global batch in
-order. For micro-batch ``m`` it
+micro-batches ``[r * k, (r + 1) * k)`` (``k = ceil(M / R)``; indices from ``M`` on
+are empty padding) of each global batch in order. For micro-batch ``m`` it
 
 * cuts the replica's rows of every PerReplica argument (tensors along dim 0,
   per-row lists) to the micro-batch's rows; other arguments reach every call whole;
@@ -14,9 +14,11 @@ order. For micro-batch ``m`` it
 * folds what gradients the function left (no step taken: accumulation) into the
   replica's pending tree sums, and the buffers into a tree stack.
 
-After the last micro-batch the buffers become the tree mean over all micro-batches
-(integer buffers: the exact integer sum, floor-divided), identical on every
-replica, and the results of the calls combine by ``LayoutInvariant.results``.
+After the last micro-batch the buffers become the tree mean over the micro-batches
+with rows (integer buffers: the exact integer sum, floor-divided), identical on every
+replica, and the results of the calls with rows combine by ``LayoutInvariant.results``.
+An empty micro-batch still runs (the replica function's collectives and the step
+must happen on every replica) but contributes nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import torch
 from .. import collectives, nest
 from ..collectives.tree import tree_all_sum
 from ..context import ReplicaContext
-from ..micro_batches import LayoutInvariant, MicroBatch, PendingGradients, micro_batch_sizes
+from ..micro_batches import (LayoutInvariant, MicroBatch, PendingGradients, counted_micro_batches, dealt_sizes,
+                             micro_batches_per_replica, nothing_like)
 from ..random_streams import entered
 from ..tree_sum import TreeStack
 from ..values import DistributedValues, Mirrored, PerReplica
@@ -47,7 +50,8 @@ class MicroBatchedRun:
         self.layout, self.args, self.kwargs = layout, args, kwargs
         self.num_replicas, self.replica_ids = num_replicas, tuple(replica_ids)
         self.modules, self.pending, self.run, self.base = modules, pending, run, base
-        self.k = layout.micro_batches // num_replicas
+        self.k = micro_batches_per_replica(layout.micro_batches, num_replicas)
+        self.slots = self.k * num_replicas  # the micro-batches and the empty ones padding the deal
         self.rows = list(rows)
         # Every replica local: the global batch's rows are known here; otherwise an all-reduce finds them.
         self.global_rows = sum(rows) if len(replica_ids) == num_replicas else None
@@ -71,20 +75,21 @@ class MicroBatchedRun:
         total_rows = self.global_rows
         if total_rows is None:
             total_rows = int(collectives.all_reduce(torch.tensor(rows, dtype=torch.int64), "sum").item())
-        sizes = micro_batch_sizes(total_rows, self.layout.micro_batches)[first:first + k]
+        sizes = dealt_sizes(total_rows, self.layout.micro_batches, self.num_replicas)[first:first + k]
         if sum(sizes) != rows:
             raise ValueError(
                 f"replica {rid} got {rows} rows of a global batch of {total_rows}, but the layout-invariant "
                 f"split into {self.layout.micro_batches} micro-batches gives it {sum(sizes)} (micro-batches "
                 f"{first}..{first + k - 1}); feed run with strategy.distribute_dataset (or "
                 f"cr.replica_share for your own split)")
+        counted = counted_micro_batches(total_rows, self.layout.micro_batches)
         modules = [m for m in self.modules(i) if any(mod.training for mod in m.modules())]
         params = _unique(p for m in self.modules(i) for p in m.parameters() if p.requires_grad)
         buffers = _unique(b for m in modules for b in m.buffers())
         start = [_widen(b) for b in buffers]  # exact copies (half floats and integers widened)
         stack = TreeStack()
         pending = self.pending[i]
-        outs = []
+        outs: list[tuple[int, Any]] = []
         lo = 0
         for j, n in enumerate(sizes):
             m = first + j
@@ -96,41 +101,45 @@ class MicroBatchedRun:
             a, kw = _cut(self.args, self.kwargs, i, lo, n, rows)
             lo += n
             mb = MicroBatch(index=m, first=first, count=k, total=self.layout.micro_batches, rows=n,
-                            run=self.run, pending=pending)
+                            run=self.run, pending=pending, slots=self.slots, counted=counted)
             rctx.micro_batch = mb
             try:
                 with entered(self.base + m) if self.base is not None else contextlib.nullcontext():
-                    outs.append(fn(*a, **kw))
+                    outs.append((n, fn(*a, **kw)))
             finally:
                 rctx.micro_batch = None
             pending.fold(mb, params)
-            if buffers:  # what the micro-batch changed: a buffer it left alone adds exact zeros
-                stack.push(m, [_widen(b) - w for b, w in zip(buffers, start)])
+            if buffers:  # what the micro-batch changed: a buffer it left alone adds exact zeros, an empty one nothing
+                stack.push(m, [_widen(b) - w if n else nothing_like(w) for b, w in zip(buffers, start)])
         if pending.stepped_run == self.run:
             pending.clear()  # what no optimizer stepped is dropped, as zero_grad would
         if buffers:
-            self._combine_buffers(buffers, start, stack)
+            self._combine_buffers(buffers, start, stack, counted)
         return _results(outs, self.layout.results)
 
-    def _combine_buffers(self, buffers: list[torch.Tensor], start: list[torch.Tensor], stack: TreeStack) -> None:
-        """Every buffer := its value at the start of the run + the tree mean over the micro-batches
-        of what each changed (the same on every replica; a buffer no micro-batch changed keeps
-        its bytes)."""
+    def _combine_buffers(self, buffers: list[torch.Tensor], start: list[torch.Tensor], stack: TreeStack,
+                         counted: int) -> None:
+        """Every buffer := its value at the start of the run + the tree mean over the ``counted``
+        micro-batches with rows of what each changed (the same on every replica; a buffer no
+        micro-batch changed keeps its bytes)."""
         flats: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for idx, w in enumerate(start):
             flats.setdefault((w.dtype, w.device), []).append(idx)
         nodes = stack.nodes
         for (dtype, _), members in flats.items():
             parts = [(node, torch.cat([value[idx].reshape(-1) for idx in members])) for node, value in nodes]
-            total = tree_all_sum(parts, self.layout.micro_batches)
+            total = tree_all_sum(parts, self.slots)
             offset = 0
             for idx in members:
                 b = buffers[idx]
                 piece = total[offset:offset + b.numel()].view(b.shape)
                 offset += b.numel()
-                mean = (piece / self.layout.micro_batches if dtype.is_floating_point or dtype.is_complex
-                        else torch.div(piece, self.layout.micro_batches, rounding_mode="floor"))
                 with torch.no_grad():
+                    if not counted:  # a global batch of no rows: nothing changed
+                        b.copy_(start[idx])
+                        continue
+                    mean = (piece / counted if dtype.is_floating_point or dtype.is_complex
+                            else torch.div(piece, counted, rounding_mode="floor"))
                     b.copy_(start[idx] + mean)
 
 
@@ -191,8 +200,11 @@ def _narrow(x: Any, lo: int, n: int, rows: int) -> Any:
     return x
 
 
-def _results(outs: list[Any], how: str) -> Any:
-    """A replica's result of the run from its micro-batches' results (``LayoutInvariant.results``)."""
+def _results(calls: list[tuple[int, Any]], how: str) -> Any:
+    """A replica's result of the run from its micro-batches' ``(rows, result)`` (``LayoutInvariant.results``):
+    those of the micro-batches with rows (an empty one's mean loss is nan); a replica whose
+    micro-batches are all empty returns theirs."""
+    outs = [out for rows, out in calls if rows] or [out for _, out in calls]
     if len(outs) == 1 or how == "last":
         return outs[-1]
     leaves = [nest.flatten(o)[0] for o in outs]

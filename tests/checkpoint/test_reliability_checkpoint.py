@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import os
 import random
 import signal
@@ -198,9 +199,10 @@ def test_write_errors_name_the_path_not_the_temp_file(tmp_path):
     try:
         if os.access(directory, os.W_OK):
             pytest.skip("running as a user who can write anywhere")
-        with pytest.raises(PermissionError, match="ro/ck.pt") as info:
+        with pytest.raises(CheckpointError, match="ro/ck.pt': Permission denied") as info:
             cr.save(directory / "ck.pt", {"w": torch.ones(1)})
         assert ".crtmp-" not in str(info.value)
+        assert isinstance(info.value, OSError) and info.value.errno == errno.EACCES
     finally:
         directory.chmod(0o700)
 

@@ -243,8 +243,9 @@ def test_runs_without_rows_run_once_per_replica():
 
 
 def test_bad_layouts_are_refused():
-    with pytest.raises(ValueError, match="replica count must divide micro_batches"):
-        cr.MirroredStrategy(num_replicas=3, layout_invariant=cr.LayoutInvariant(micro_batches=8))
+    with pytest.raises(ValueError, match=r"micro_batches=4\) has fewer micro-batches than the 6 replicas in sync: "
+                                         r"replicas 4..5 would only run empty micro-batches; use micro_batches >= 6"):
+        cr.MirroredStrategy(num_replicas=6, layout_invariant=cr.LayoutInvariant(micro_batches=4))
     with pytest.raises(TypeError, match="layout_invariant must be a cr.LayoutInvariant"):
         cr.MirroredStrategy(num_replicas=2, layout_invariant=8)
     with pytest.raises(ValueError, match="micro_batches"):
@@ -436,3 +437,117 @@ def test_both_forms_of_the_tree_sum(sharded, monkeypatch):
     monkeypatch.setattr(tree, "SHARDED", sharded)
     for n in (3, 4):  # 3: uneven slices of the elements (padding)
         _assert_same(reference, _train(cr.MirroredStrategy(num_replicas=n, layout_invariant=LAYOUT), "encoder"))
+
+
+# ---------------------------------------------------------------------------- empty micro-batches, uneven deals
+
+
+def _small_net():
+    """No dropout and no BatchNorm: plain torch's step is the reference, to float rounding."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+def _small_batches(sizes, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in sizes]
+
+
+def _plain_torch(sizes, accumulate=1):
+    """The same steps on one device with plain torch: the mean loss over each batch's rows."""
+    model = _small_net()
+    opt = _sgd(model.parameters())
+    losses = []
+    for i, (x, y) in enumerate(_small_batches(sizes)):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if (i + 1) % accumulate == 0:
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+    return model.state_dict(), losses
+
+
+def _small_train(strategy, sizes, accumulate=1):
+    model = strategy.mirror(_small_net())
+    opts = strategy.run(lambda m: cr.CrossShardOptimizer(_sgd(m.parameters())), args=(model,))
+    losses = []
+    for i, b in enumerate(strategy.distribute_dataset(_small_batches(sizes))):
+        if (i + 1) % accumulate:
+            strategy.run(_accumulate, args=(model, b))
+        else:
+            losses.append(strategy.experimental_local_results(strategy.run(_step, args=(model, opts, b, False))))
+    copies = strategy.experimental_local_results(model)
+    for c in copies[1:]:
+        _assert_same(copies[0].state_dict(), c.state_dict())
+    return {k: v.clone() for k, v in copies[0].state_dict().items()}, losses
+
+
+EIGHT = cr.LayoutInvariant(micro_batches=8)
+
+
+@pytest.mark.parametrize("sizes,accumulate", [([5, 5, 5], 1), ([5, 16, 3, 8], 2)],
+                         ids=["5-rows", "accumulate-5-and-16-rows"])
+def test_a_batch_with_fewer_rows_than_micro_batches_gives_plain_torchs_numbers(sizes, accumulate):
+    # 5 rows in 8 micro-batches: 5 of one row, 3 empty; the empty ones contribute nothing and
+    # are not counted, so the mean is over the 5 rows, as plain torch's
+    want, want_losses = _plain_torch(sizes, accumulate)
+    ref, losses = _small_train(cr.OneDeviceStrategy(layout_invariant=EIGHT), sizes, accumulate)
+    for k in want:
+        torch.testing.assert_close(ref[k], want[k], rtol=1e-5, atol=1e-6)
+    for (got,), plain in zip(losses, want_losses):  # the returned mean loss: the rows' mean, not nan
+        torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-6)
+    for n in (2, 3, 4, 8):  # 3 replicas: 3 + 3 + 2 micro-batches (the deal padded with an empty one)
+        _assert_same(ref, _small_train(cr.MirroredStrategy(num_replicas=n, layout_invariant=EIGHT), sizes,
+                                       accumulate)[0])
+
+
+def test_a_replicas_mean_loss_leaves_out_its_empty_micro_batches():
+    # 5 rows over 4 replicas in 8 micro-batches: 2, 2, 1 and 0 rows
+    strategy = cr.MirroredStrategy(num_replicas=4, layout_invariant=EIGHT)
+    (x, y), = _small_batches([5])
+    _, (losses,) = _small_train(strategy, [5])
+    model = _small_net()
+    for got, rows in zip(losses[:3], (slice(0, 2), slice(2, 4), slice(4, 5))):
+        torch.testing.assert_close(got, F.cross_entropy(model(x[rows]), y[rows]).detach(), rtol=1e-5, atol=1e-6)
+    assert torch.isnan(losses[3])  # no rows at all: its function's mean of nothing, as torch's
+
+
+def test_a_buffer_mean_leaves_out_empty_micro_batches():
+    strategy = cr.MirroredStrategy(num_replicas=3, layout_invariant=EIGHT)  # micro-batch 8: padding
+    norm = strategy.mirror(nn.BatchNorm2d(4, momentum=None))  # running mean: the average of the batches'
+    x = torch.randn(6, 4, 3, 3)  # 6 micro-batches of one row, 2 empty ones and the padding
+    strategy.run(lambda m, b: m(b), args=(norm, next(iter(strategy.distribute_dataset([x])))))
+    for copy in strategy.experimental_local_results(norm):
+        torch.testing.assert_close(copy.running_mean, x.mean((0, 2, 3)))
+        assert copy.num_batches_tracked.item() == 1
+
+
+def test_replica_share_deals_micro_batches_to_any_replica_count():
+    assert cr.replica_share(8, 8, 3) == [3, 3, 2]  # micro-batches [0, 3), [3, 6), [6, 8) and an empty one
+    assert cr.replica_share(5, 8, 4) == [2, 2, 1, 0]
+    assert cr.replica_share(50, 24, 5) == [12, 10, 10, 10, 8]  # 5 micro-batches each, the last 4 and an empty one
+    assert cr.replica_share(50, 24, 7) == [10, 8, 8, 8, 8, 8, 0]  # 4 each: the last replica's are all empty
+    for n in range(1, 25):
+        assert sum(cr.replica_share(50, 24, n)) == 50
+
+
+def _small_worker_train(strategy, sizes):
+    from crossreplica.micro_batches import check_layout
+
+    strategy.extended.layout_invariant = check_layout(EIGHT, strategy.num_replicas_in_sync)
+    return _small_train(strategy, sizes)[0]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("workers,per_worker", [(2, 1), (3, 1), (2, 2)], ids=["2x1", "3x1", "2x2"])
+def test_fewer_rows_than_micro_batches_and_uneven_deals_on_processes(workers, per_worker):
+    from crossreplica.testing import run_workers
+
+    reference, _ = _small_train(cr.OneDeviceStrategy(layout_invariant=EIGHT), [5, 5, 12])
+    for got in run_workers(_small_worker_train, workers, per_worker, args=([5, 5, 12],)):
+        _assert_same(reference, got)
