@@ -13,7 +13,9 @@ the opposite: the store outlives any worker, and the survivors keep running.
 So this launcher watches its workers without touching them; once one has
 finished, the others get ``--grace-seconds`` to finish too, after which a
 worker still running (frozen, say) is woken (SIGCONT, so a fenced-out worker
-can say so and stop), then terminated. Ctrl-C or SIGTERM stops them all.
+can say so and stop), then terminated. Workers that are all stopped (SIGSTOP:
+frozen) once the others have exited can never finish by themselves, so they
+are woken at once, without the grace period. Ctrl-C or SIGTERM stops them all.
 
 With ``--max-restarts K``, a worker that fails while the others still run is
 started again (at most ``K`` times in all) with ``CROSSREPLICA_JOIN=1``: it joins
@@ -118,8 +120,9 @@ class _Restarts:
 
 def _watch(procs: list[subprocess.Popen], grace: float, restart: Callable[[list[subprocess.Popen]], None]) -> list[int]:
     """Every worker's exit code, waking and then terminating those still running ``grace``
-    seconds after the first worker finished with 0; until then, ``restart`` may start
-    failed workers again (replacing them in ``procs``)."""
+    seconds after the first worker finished with 0, or at once when every one still
+    running is stopped and another has exited; until then, ``restart`` may start failed
+    workers again (replacing them in ``procs``)."""
     finished_at: float | None = None
     while True:
         if finished_at is None:
@@ -129,7 +132,8 @@ def _watch(procs: list[subprocess.Popen], grace: float, restart: Callable[[list[
             return [int(c) for c in codes if c is not None]
         if finished_at is None and 0 in codes:
             finished_at = time.monotonic()
-        if finished_at is not None and time.monotonic() - finished_at > grace:
+        left_frozen = any(c is not None for c in codes) and all(_stopped(p) for p in procs if p.poll() is None)
+        if left_frozen or (finished_at is not None and time.monotonic() - finished_at > grace):
             for step, seconds in ((signal.SIGCONT, _WAKE), (signal.SIGTERM, _TERM), (signal.SIGKILL, 0.0)):
                 for p in procs:
                     if p.poll() is None:
@@ -137,6 +141,18 @@ def _watch(procs: list[subprocess.Popen], grace: float, restart: Callable[[list[
                 _wait_all(procs, seconds)
             return [int(p.wait()) for p in procs]
         time.sleep(_POLL)
+
+
+def _stopped(proc: subprocess.Popen) -> bool:
+    """Whether ``proc`` is stopped by a signal (frozen: SIGSTOP), per ``/proc`` (False where
+    there is none, or it has exited)."""
+    try:
+        with open(f"/proc/{proc.pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    fields = stat.rpartition(b")")[2].split()  # after the command name, which may hold spaces
+    return bool(fields) and fields[0] == b"T"
 
 
 def _wait_all(procs: list[subprocess.Popen], seconds: float) -> None:

@@ -6,8 +6,9 @@ called on some workers only (DDP's ``if master_process:``) fails there at once,
 naming the API, instead of pairing its collectives with the others' training
 calls until the timeout. Every worker then waits for the chief in a bounded collective that also carries the chief's
 success or failure, so no worker runs ahead of a checkpoint that does not exist
-yet. Loading reads on the chief and sends the file's bytes (never a pickle to
-trust) to every worker, so the hosts need no shared file system.
+yet, and whose failure reaches every worker with the chief's message. Loading
+reads on the chief and sends the file's bytes (never a pickle to trust) to every
+worker, so the hosts need no shared file system.
 """
 
 from __future__ import annotations
@@ -19,23 +20,22 @@ import torch
 import torch.distributed as dist
 
 from ..engines.base import WorkerEngine
-from ..reduce_op import ReduceOp
+from ..strategies.multi_worker import running
 
 if TYPE_CHECKING:
     from ..strategies.base import Strategy
 
 __all__ = ["FAILED", "MISSING", "OK", "Workers", "cross_process"]
 
-OK, MISSING, FAILED = 0, 1, 2  # what the chief found when it read a checkpoint
+OK, MISSING, FAILED = 0, 1, 2  # what the chief found when it read (or wrote) a checkpoint
 
 
 class Workers:
     """Who writes, and how the workers agree on the outcome."""
 
-    def __init__(self, is_chief: bool, max_flag: Callable[[int], int],
-                 broadcast: Callable[[torch.Tensor], torch.Tensor], meet: Callable[[str], None] | None = None):
+    def __init__(self, is_chief: bool, broadcast: Callable[[torch.Tensor], torch.Tensor],
+                 meet: Callable[[str], None] | None = None):
         self.is_chief = is_chief
-        self.max_flag = max_flag  # int -> the maximum over every worker (a bounded collective)
         self.broadcast = broadcast  # a tensor -> the chief's (a bounded collective)
         self._meet = meet
 
@@ -61,31 +61,32 @@ class Workers:
 def cross_process(strategy: Strategy) -> Workers | None:
     """How to reach the other workers, or None when everything is in this process.
 
-    A multi-process strategy in scope (or passed) is used; outside any scope, an
+    A multi-process strategy in scope (or passed) is used. Outside any scope, an
     initialised torch.distributed world of several processes still makes rank 0
     the only writer, so a script that calls cr.save outside ``strategy.scope()``
-    does not write once per process."""
+    does not write once per process; its traffic goes through the engine of the
+    MultiWorkerMirroredStrategy running that world (``multi_worker.running``), so
+    a worker lost meanwhile is named within seconds, as in any collective. Only a
+    world no strategy runs (the user's own process group) gets torch.distributed's
+    calls, bounded by the group's timeout."""
     ext = getattr(strategy, "extended", None)
     engine = getattr(ext, "engine", None)
+    if not (isinstance(engine, WorkerEngine) and engine.world_size > 1 and hasattr(ext, "is_chief")):
+        outer = running()
+        if outer is not None:
+            ext = outer.extended
+            engine = getattr(ext, "engine", None)
     if ext is not None and isinstance(engine, WorkerEngine) and engine.world_size > 1 and hasattr(ext, "is_chief"):
-        # Through the strategy's engine: bounded, and released when another worker fails.
+        # Through the strategy's engine: bounded, watched, and released when another worker fails.
         n = len(ext.worker_devices)
-        return Workers(ext.is_chief,
-                       lambda flag: int(ext.reduce_values(ReduceOp.MAX, [torch.tensor([flag], dtype=torch.int32)] * n)
-                                        .item()),
-                       lambda t: ext.broadcast_values([t] * n), engine.meet)
+        return Workers(ext.is_chief, lambda t: ext.broadcast_values([t] * n), engine.meet)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        def max_flag(flag: int) -> int:
-            t = torch.tensor([flag], dtype=torch.int32, device=_device())
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # bounded by the process group's timeout
-            return int(t.item())
-
         def broadcast(t: torch.Tensor) -> torch.Tensor:
             t = t.to(_device())
             dist.broadcast(t, src=0)  # bounded by the process group's timeout
             return t
 
-        return Workers(dist.get_rank() == 0, max_flag, broadcast)
+        return Workers(dist.get_rank() == 0, broadcast)
     return None
 
 

@@ -16,10 +16,12 @@ cover every replica of every worker (the hooks below).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import logging
 import warnings
-from typing import Any
+import weakref
+from typing import Any, cast
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -45,11 +47,40 @@ from .bootstrap import env_int, init_process_group
 from .logical_devices import LogicalDevices
 from .network import bounded
 
-__all__ = ["MultiWorkerMirroredStrategy", "MultiWorkerExtended"]
+__all__ = ["MultiWorkerMirroredStrategy", "MultiWorkerExtended", "running"]
 
 _BACKENDS = ("gloo", "nccl")
 
 _log = logging.getLogger(__name__)
+
+#: the strategies built in this process, oldest first (:func:`running`)
+_BUILT: list[weakref.ref[MultiWorkerMirroredStrategy]] = []
+
+
+def running() -> MultiWorkerMirroredStrategy | None:
+    """The newest MultiWorkerMirroredStrategy of this process, not closed, whose engine spans
+    the current default process group; None if there is none. ``cr.save`` and ``cr.load``
+    called outside any scope reach the other workers through it (bounded, watched waits),
+    not through bare torch.distributed calls."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    _BUILT[:] = [ref for ref in _BUILT if ref() is not None]
+    for ref in reversed(_BUILT):
+        strategy = ref()
+        if strategy is None or strategy.closed:
+            continue
+        engine = cast(MultiWorkerExtended, strategy.extended).engine
+        if engine.world_size == dist.get_world_size() and engine.rank == dist.get_rank():
+            return strategy
+    return None
+
+
+def _keep_for_good(group: Any) -> None:
+    """Holds one more reference to the retired process group ``group`` that nothing ever
+    drops, not even the interpreter's exit: its destructor joins the group's threads, and
+    one of them may wait in a receive from a frozen peer (gloo cannot abort it) until the
+    group's timeout, minutes after the survivors are done."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
 def _state_tensors(obj: Any) -> list[torch.Tensor]:
@@ -186,9 +217,12 @@ class MultiWorkerExtended(StrategyExtended):
         backend = self.engine.backend
         self.engine.close()
         if dist.is_initialized():
+            old = dist.group.WORLD
             with contextlib.suppress(Exception):  # a group whose peers are gone: nothing to tell them
-                dist.group.WORLD.abort()  # type: ignore[union-attr]
+                old.abort()  # type: ignore[union-attr]
             tp.retire_default_group()
+            if old is not None:
+                _keep_for_good(old)
         timeout = float(self.engine_options["timeout"])
         with bounded(f"re-forming the process group (worker rank {rank} of {world_size}, backend {backend})",
                      timeout, "Check that the surviving workers still reach each other"):
@@ -297,6 +331,9 @@ class MultiWorkerMirroredStrategy(Strategy):
         self.extended.communication_options = communication_options
         self.extended.set_logical_devices(logical.groups)
         self.extended.layout_invariant = check_layout(layout_invariant, engine.num_replicas)
+        #: whether :meth:`close` has run
+        self.closed = False
+        _BUILT.append(weakref.ref(self))
         if str(dist.get_backend()) == "nccl":
             engine.barrier("set-up")  # creates the communicators with every rank present
         _log.info("MultiWorkerMirroredStrategy: %d replicas in sync, %d workers x %d local replicas (%s engine), "
@@ -338,8 +375,12 @@ class MultiWorkerMirroredStrategy(Strategy):
         return [torch.device("cpu")] * (r * k)
 
     def close(self) -> None:
-        """Releases subgroups and, if this strategy created it, the process group."""
-        self.extended.engine.close()
+        """Releases subgroups and, if this strategy created it, the process group. A worker
+        that failed first waits (briefly) for the others to read why (``Watchdog.linger``)."""
+        self.closed = True
+        engine = cast(MultiWorkerExtended, self.extended).engine
+        engine.watchdog.linger()
+        engine.close()
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_process_group = False

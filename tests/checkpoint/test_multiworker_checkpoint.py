@@ -121,3 +121,63 @@ def test_workers_load_the_chiefs_checkpoint_with_the_safe_loader():
         assert "safe loader does not read" in outcome and "Sneaky" in outcome
         assert unpickled == 0
         assert good == [0.0, 1.0, 2.0]
+
+
+class _LostInSave(torch.nn.Linear):
+    """A module whose state, read inside ``cr.save`` on every worker (after the workers met,
+    before the chief's outcome reaches them), loses worker 1 there: killed, or frozen (and
+    thawed a while later, so its process ends)."""
+
+    how = "kill"
+
+    def state_dict(self, *args, **kwargs):
+        import crossreplica.strategies.multi_worker as mw
+
+        strategy = mw.running()
+        if strategy is not None and strategy.extended.worker_rank == 1:
+            if self.how == "kill":
+                os._exit(3)
+            subprocess.Popen(["sh", "-c", f"sleep 8; kill -CONT {os.getpid()}"])
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return super().state_dict(*args, **kwargs)
+
+
+def _save_losing_worker_1(strategy, how: str, where: str, directory: str):
+    import time
+
+    model = _LostInSave(2, 2)
+    model.how = how
+    path = os.path.join(directory, "ckpt.pt")
+    strategy.run(lambda: cr.all_reduce(torch.ones(1), "sum"))
+    started = time.monotonic()
+    try:
+        if where == "scope":
+            with strategy.scope():
+                cr.save(path, {"model": model})
+        else:  # outside any scope, as docs/multi_process.md's loop does
+            cr.save(path, {"model": model})
+    except Exception as e:  # noqa: BLE001 - the test reads what the chief saw
+        return time.monotonic() - started, f"{type(e).__name__}: {e}"
+    return time.monotonic() - started, "saved"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("where", ["scope", "outside"])
+@pytest.mark.parametrize("how", ["kill", "freeze"])
+def test_a_worker_lost_inside_cr_save_is_named_within_seconds(tmp_path, how, where):
+    """cr.save's traffic goes through the strategy's watchdog, in its scope or outside any
+    (the strategy that runs the process group): a worker killed or frozen there is named
+    within the heartbeat's seconds, not after a bare gloo wait of the whole timeout."""
+    from crossreplica.testing import WorkerPool
+
+    with WorkerPool(2, 1, timeout_seconds=60) as pool:
+        out = pool.run(_save_losing_worker_1, mode="main", main_args=(how, where, str(tmp_path)))
+    if how == "kill":
+        assert out.exitcodes.get(1) == 3, out
+    elapsed, seen = out.results[0]
+    assert seen.startswith("WorkerFailedError") and "worker ranks [1]" in seen, seen
+    if how == "freeze":
+        assert "stopped answering (no heartbeat for 2s" in seen, seen
+    else:
+        assert "presumed dead" in seen or "died" in seen, seen
+    assert elapsed < 10, (elapsed, seen)  # the heartbeat's 2 s, not the 60 s timeout

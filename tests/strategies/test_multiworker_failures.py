@@ -11,15 +11,19 @@ so each reports what it saw.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 import torch
+from harness import REPO, SUPPORT, subprocess_env
 
 import crossreplica as cr
 from crossreplica.testing import launch
+from crossreplica.testing.pool import free_port
 
 pytestmark = pytest.mark.multiprocess
 
@@ -183,3 +187,47 @@ def test_different_number_of_calls_with_checking(hosts):
         assert "replica 0: all_gather(dim=[0, 0]" in err.message, err.message
         assert "replica 1: <returned from the replica function>" in err.message, err.message
         assert err.elapsed < COLLECTIVE_TIMEOUT / 2
+
+
+def _launch_by_hand(tmp_path, args: list[str], workers: int = 2) -> list[tuple[int, str]]:
+    """``tests/support/<args>`` as ``workers`` workers launched by hand (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT: rank 0 serves the store, which goes when it exits), with the
+    default timeout; every worker's exit code and stderr. Nothing is left running."""
+    env = {**subprocess_env(), "WORLD_SIZE": str(workers), "LOCAL_WORLD_SIZE": str(workers),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "CROSSREPLICA_JOB_SECRET": secrets.token_hex(16)}
+    env.pop("CROSSREPLICA_TIMEOUT", None)
+    logs = [tmp_path / f"worker{r}.err" for r in range(workers)]
+    procs = []
+    try:
+        for r in range(workers):
+            with open(logs[r], "wb") as err:
+                procs.append(subprocess.Popen([sys.executable, os.path.join(SUPPORT, *args[:1]), *args[1:]],
+                                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=REPO,
+                                              stdout=subprocess.DEVNULL, stderr=err, start_new_session=True))
+        for p in procs:
+            p.wait(timeout=120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+    return [(p.returncode, log.read_text(errors="replace")) for p, log in zip(procs, logs)]
+
+
+@pytest.mark.parametrize("rpw", [1, 2], ids=["2x1", "2x2"])
+@pytest.mark.parametrize("how", ["save", "raise"])
+def test_a_chief_that_fails_and_leaves_names_its_cause_on_the_other_worker(tmp_path, how, rpw):
+    """The chief fails (``cr.save`` called on it alone, or its own code raises between steps)
+    while the other worker waits in the next step's collective, and its process leaves on
+    the uncaught error, taking the store it serves with it. It first waits for the other
+    worker to read why, so that worker names the cause, not merely a dead rank 0."""
+    args = ["chief_fails.py", how, str(rpw), str(tmp_path)]
+    (chief_code, chief), (other_code, other) = _launch_by_hand(tmp_path, args)
+    cause = ("cr.save was called on worker rank 0, but worker ranks [1]" if how == "save"
+             else "worker rank 0 failed: ValueError: the chief's own bug between steps")
+    assert chief_code == 1 and ("CollectiveMismatchError" if how == "save" else "ValueError") in chief, chief
+    line = next((line for line in other.splitlines() if line.startswith("worker 1 failed after")), other)
+    assert other_code == 1 and "ReplicaAborted" in line and cause in line, other
+    assert "died" not in line and "presumed dead" not in line, line
+    assert float(line.split("after ")[1].split("s:")[0]) < 10, line  # released, not timed out

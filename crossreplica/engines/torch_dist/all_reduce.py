@@ -35,15 +35,23 @@ import torch.distributed as dist
 from ...reduce_op import ReduceOp
 from ..base import Call, Kind, Pending, is_inplace, scatter_slice
 from ..reduction import reduce_into
+from .agreement import (CHECKED_DTYPES, CHECKED_OPS, Stamp, check_elements, mismatch, shared_code, stamp_digits,
+                        stamp_of, verify_elements)
 from .chain import Hosts, chain_all_reduce, chain_hosts, drain, start_chain
 from .ordered import ordered_all_reduce
 from .plan import GroupPlan, Step, by_worker_set
+from .signatures import precheck
 from .staging import stageable
 
 if TYPE_CHECKING:
     from .engine import TorchDistEngine
 
 __all__ = ["all_reduce", "reduce_scatter", "start_all_reduce", "start_gathered_all_reduce"]
+
+
+# One part up to this size is copied behind the check elements (less than a collective of
+# their own costs); a larger one is reduced where it lies.
+_RIDING_COPY_BYTES = 256 << 10
 
 
 def _dist_op(op: ReduceOp, dtype: torch.dtype) -> Any:
@@ -165,16 +173,19 @@ def _start_on_host(eng: TorchDistEngine, call: Call, tensors: list[torch.Tensor]
     """Starts the call on host tensors: along the chain of ``hosts``, through the same-host
     path's buffers, or as async backend work (see :func:`start_all_reduce`)."""
     if hosts is not None:
-        eng.watchdog.count += 1
-        eng.watchdog.current = call
+        eng.begin([call])
+        eng.settle(lambda: precheck(eng, [call]))
         return start_chain(eng, hosts, call.params.op, tensors)
     drain(eng)
-    eng.watchdog.count += 1
-    eng.watchdog.current = call
+    eng.begin([call])
     if eng.shared_memory is not None and len(entry.workers) == eng.world_size:
         pending = eng.shared_memory.start(tensors, call.params.op)
         if pending is not None:
             return Pending(lambda: eng.settle(pending.wait))
+    # The caller's buffers (the optimizer's overlapped buckets, always a SUM in call order) are
+    # reduced where they lie and carry no stamp: a check of their own costs a round trip per
+    # bucket (0.5-0.9 ms a step on the demo model, BENCHMARKS.md); another size makes gloo
+    # abort the peer, which its survivors name (watchdog.lost), and a stall compares stamps.
     works = [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=entry.subgroup, async_op=True) for t in tensors]
     divisor = len(entry.group) if call.params.op is ReduceOp.MEAN else 0
 
@@ -200,10 +211,9 @@ def _start_staged(eng: TorchDistEngine, call: Call, tensors: list[torch.Tensor],
     staging, entry, op = eng.staging, entries[0], call.params.op
     reducer = eng.shared_memory
     if reducer is not None and len(entry.workers) == eng.world_size:
-        eng.watchdog.current = call
-        shared = reducer.stage(tensors, op, staging, None)
+        shared = reducer.stage(tensors, op, staging, None, shared_code(eng.watchdog.count + 1, call))
         if shared is not None:
-            eng.watchdog.count += 1
+            eng.begin([call])
             staging.poll()
             reducer.progress()  # the slices of earlier rounds that have become ready
             return Pending(lambda: eng.settle(shared.wait))
@@ -254,16 +264,27 @@ def start_gathered_all_reduce(eng: TorchDistEngine, call: Call,
         return None
     if chain_hosts(eng, tuple(range(eng.world_size)), eng.planner.plan(call.groups)) is not None:
         return None  # across hosts the chain's traffic (run now) beats sending every replica's tensors
-    local = torch.stack([torch.cat([t.view(-1) for t in row]) for row in payloads])  # [local replicas, n]
+    eng.begin([call])
+    # Each row ends with the call's stamp (agreement.py) as byte-sized digits, exact in any
+    # floating dtype: workers whose calls differ raise at the wait, before a result is used.
+    stamp = stamp_of(eng.watchdog.count, [call])
+    digits = stamp_digits(stamp, dtype, eng.comm_device)
+    local = torch.stack([torch.cat([*[t.view(-1) for t in row], digits]) for row in payloads])  # [local, n + k]
     rows = [torch.empty_like(local) for _ in range(eng.world_size)]
-    eng.watchdog.count += 1
-    eng.watchdog.current = call
     work = dist.all_gather(rows, local, async_op=True)
     op: ReduceOp = call.params.op
+    k = digits.numel()
+
+    def check() -> None:
+        for worker, block in enumerate(rows):
+            if not torch.equal(block[0, -k:], digits):
+                seq = int(sum(int(v) << (8 * i) for i, v in enumerate(block[0, -k:][:4].tolist())))
+                raise mismatch(eng.rank, "the gathered all-reduce", stamp.seq, call, worker, seq)
 
     def finish() -> list[torch.Tensor]:
         eng.settle(lambda: eng.watchdog.wait(work, range(eng.world_size)))
-        every = [row for block in rows for row in block.unbind(0)]  # ascending replica id
+        eng.settle(check)
+        every = [row[:-k] for block in rows for row in block.unbind(0)]  # ascending replica id
         out = torch.empty_like(every[0])
         reduce_into(op, out, every)
         for row in payloads:
@@ -310,12 +331,15 @@ def _reduced(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
         ref = payloads[index[entries[0].local[0]]]
         ordered = [leaf for leaf in range(n_leaves) if eng.ordered_reductions and len(groups[0]) > 2
                    and (ref[leaf].dtype.is_floating_point or ref[leaf].dtype.is_complex)]
+        calls = [step.call._replace(params=step.params[rid]) for rid in eng.local_replica_ids]
+        stamp = stamp_of(eng.watchdog.count, calls)
         if ordered:
             hosts = chain_hosts(eng, workers, entries)
             if hosts is not None:
+                precheck(eng, calls)  # the chain's messages carry no stamp: the calls agree first
                 chain_all_reduce(eng, hosts, entries[0], ops[0], ordered, payloads, outs)
             else:
-                ordered_all_reduce(eng, workers, entries, ops, ordered, payloads, outs)
+                ordered_all_reduce(eng, workers, entries, ops, ordered, payloads, outs, stamp)
         # partials[(entry number, leaf)]: reduced over the local members, on the comm device
         partials: dict[tuple[int, int], torch.Tensor] = {}
         for number, entry in enumerate(entries):
@@ -338,7 +362,7 @@ def _reduced(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
             buckets.setdefault((partial.dtype, ops[key[0]]), []).append(key)
         for (dtype, op), keys in buckets.items():
             results = _all_reduce_buffer(eng, [partials[key] for key in keys], op, dtype, entries[0].subgroup,
-                                         workers)
+                                         workers, stamp)
             for (number, leaf), result in zip(keys, results):
                 entry = entries[number]
                 if op is ReduceOp.MEAN:
@@ -348,22 +372,42 @@ def _reduced(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
 
 
 def _all_reduce_buffer(eng: TorchDistEngine, parts: list[torch.Tensor], op: ReduceOp, dtype: torch.dtype,
-                       pg: Any, workers: tuple[int, ...]) -> list[torch.Tensor]:
-    """All-reduces ``parts`` (same dtype) over the workers of ``pg`` in one collective."""
+                       pg: Any, workers: tuple[int, ...], stamp: Stamp) -> list[torch.Tensor]:
+    """All-reduces ``parts`` (same dtype) over the workers of ``pg`` in one collective, the
+    call's check elements in front (``agreement.py``); where they cannot ride (another dtype
+    or op, or one large part reduced where it lies) they travel in a small int64 collective
+    of their own, queued behind the data (gloo; NCCL's are not checked)."""
     if dtype.is_complex and op is ReduceOp.PROD:
         return _prod_by_gather(eng, parts, pg, workers)
-    if len(parts) == 1:  # already a fresh buffer (see _reduced)
+    n, device = len(workers), parts[0].device
+    cpu = device.type == "cpu"
+    riding = (cpu and dtype in CHECKED_DTYPES and op in CHECKED_OPS
+              and (len(parts) > 1 or parts[0].numel() * parts[0].element_size() <= _RIDING_COPY_BYTES))
+    check = check_elements(stamp, op, dtype, n, device) if riding else None
+    if check is None and len(parts) == 1:  # already a fresh buffer (see _reduced)
         flat = parts[0].reshape(-1)
         views = [parts[0]]
     else:
-        flat = torch.cat([part.reshape(-1) for part in parts])
-        views, offset = [], 0
+        front = [] if check is None else [check]
+        flat = torch.cat([*front, *[part.reshape(-1) for part in parts]])
+        views, offset = [], 0 if check is None else check.numel()
         for part in parts:
             views.append(flat[offset:offset + part.numel()].view(part.shape))
             offset += part.numel()
+    works = []
     if flat.numel():
         wire = flat.view(torch.uint8) if dtype == torch.bool else flat
-        eng.watchdog.wait(dist.all_reduce(wire, op=_dist_op(op, dtype), group=pg, async_op=True), workers)
+        works.append(dist.all_reduce(wire, op=_dist_op(op, dtype), group=pg, async_op=True))
+    own = None
+    if check is None and cpu:
+        own = check_elements(stamp, ReduceOp.MAX, torch.int64, n, device)
+        works.append(dist.all_reduce(own, op=dist.ReduceOp.MAX, group=pg, async_op=True))
+    for work in works:
+        eng.watchdog.wait(work, workers)
+    if check is not None:
+        verify_elements(flat[:check.numel()], stamp, op, n, "the backend's all-reduce", eng.rank)
+    elif own is not None:
+        verify_elements(own, stamp, ReduceOp.MAX, n, "the backend's all-reduce", eng.rank)
     return views
 
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ...errors import CollectiveMismatchError, CollectiveTimeoutError, ReplicaAborted
 from ...logs import replica_failed, report
-from ..base import FINISHED, Call, Kind, Pending, WorkerEngine, check_inplace, is_inplace
+from ..base import BARRIER, FINISHED, Call, Kind, Pending, WorkerEngine, check_inplace, is_inplace
 from ..buffer_pool import BufferPool
 from .all_reduce import all_reduce, reduce_scatter, start_all_reduce
 from .broadcast import broadcast
@@ -39,7 +39,7 @@ from .gather import all_gather
 from .p2p import all_to_all, permute
 from .plan import Planner, Step
 from .shared_memory import SharedMemoryReducer, usable
-from .signatures import check_signatures
+from .signatures import check_signatures, precheck
 from .staging import Staging
 from .watchdog import Watchdog, is_peer_loss
 
@@ -254,12 +254,10 @@ class TorchDistEngine(WorkerEngine):
         if self._broken is not None:
             raise self._broken_error(self._broken)
         self._flush()  # the staged calls and overlapped chains first: one order of messages on every worker
-        watchdog = self.watchdog
-        watchdog.count += 1
         call = calls[0]
-        watchdog.current = call  # described only if something goes wrong
+        self.begin(calls)
         if _log.isEnabledFor(logging.DEBUG):
-            _log.debug("cross-process call #%d: %s", watchdog.count, call.describe())
+            _log.debug("cross-process call #%d: %s", self.watchdog.count, call.describe())
         with self._failures():
             if self.check_collectives:
                 check_signatures(self, calls)
@@ -279,7 +277,17 @@ class TorchDistEngine(WorkerEngine):
             run = _COLLECTIVES.get(kind)
             if run is None:
                 raise ValueError(f"unknown collective kind {str(kind)!r}")
+            if kind is not Kind.ALL_REDUCE:  # all_reduce prechecks where it leaves shared memory
+                precheck(self, calls)
             return run(self, step)
+
+    def begin(self, calls: Sequence[Call]) -> None:
+        """Counts a cross-process call of this worker (``calls``: its local replicas') as
+        started: its number and what the watchdog describes (and the transports stamp,
+        ``agreement.py``)."""
+        watchdog = self.watchdog
+        watchdog.count += 1
+        watchdog.current = calls[0]  # described only if something goes wrong
 
     def meet(self, what: str) -> None:
         """Waits until every worker reaches the host-side collective ``what`` (``cr.save``);
@@ -295,12 +303,11 @@ class TorchDistEngine(WorkerEngine):
         if self._broken is not None:
             raise self._broken_error(self._broken)
         self._flush()
-        watchdog = self.watchdog
-        watchdog.count += 1
-        watchdog.current = what
+        self.begin([BARRIER])
+        self.watchdog.current = what
         with self._failures():
-            watchdog.wait(dist.all_reduce(torch.zeros(1, device=self.comm_device), async_op=True),
-                          range(self.world_size))
+            self.watchdog.wait(dist.all_reduce(torch.zeros(1, device=self.comm_device), async_op=True),
+                               range(self.world_size))
 
     def hand_out(self, outs: list[list[Any]], leaf: int, local: list[int], value: torch.Tensor,
                  fresh: bool = True) -> None:

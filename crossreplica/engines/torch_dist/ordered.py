@@ -20,6 +20,7 @@ import torch
 from ...packing import byte_pack_size, pack_bytes, unpack_bytes
 from ...reduce_op import ReduceOp
 from ..reduction import reduce_into
+from .agreement import Stamp, mismatch
 from .gather import gather_fixed
 from .p2p import Spec, exchange
 from .plan import GroupPlan
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from .engine import TorchDistEngine
 
 __all__ = ["ordered_all_reduce"]
+
+_STAMP_BYTES = 16  # each gathered row's first bytes: the call's number and digest (two int64)
 
 
 class _Unit(NamedTuple):
@@ -41,8 +44,10 @@ class _Unit(NamedTuple):
 
 def ordered_all_reduce(eng: TorchDistEngine, workers: tuple[int, ...], entries: list[GroupPlan],
                        ops: list[ReduceOp], leaves: list[int], payloads: Sequence[list[torch.Tensor]],
-                       outs: list[list[Any]]) -> None:
-    """Reduces ``leaves`` of the groups in ``entries`` (one worker set) into ``outs``."""
+                       outs: list[list[Any]], stamp: Stamp) -> None:
+    """Reduces ``leaves`` of the groups in ``entries`` (one worker set) into ``outs``. The
+    gathered rows start with each worker's ``stamp`` (``agreement.py``): workers whose calls
+    differ raise before they use a result."""
     index, per_worker, comm = eng.local_index, eng.replicas_per_worker, eng.comm_device
     n_workers, me = len(workers), workers.index(eng.rank)
     units = []
@@ -82,17 +87,21 @@ def ordered_all_reduce(eng: TorchDistEngine, workers: tuple[int, ...], entries: 
         mine.append(reduce_into(ops[unit.entry], torch.empty(hi - lo, dtype=unit.dtype, device=comm), xs))
     specs = [[((bounds(unit.numel, j)[1] - bounds(unit.numel, j)[0],), unit.dtype) for unit in units]
              for j in range(n_workers)]
-    width = max(byte_pack_size(row) for row in specs)
+    width = max(byte_pack_size(row) for row in specs) + _STAMP_BYTES
     pieces: list[list[torch.Tensor]] = [[] for _ in units]
-    if width:
-        send = pack_bytes(mine, comm)
-        if send.numel() < width:
-            send = torch.cat([send, send.new_zeros(width - send.numel())])
-        recv = gather_fixed(eng, send, entries[0].subgroup, workers).view(n_workers, width)
-        for j in range(n_workers):
-            row = mine if j == me else unpack_bytes(recv[j], specs[j])[0]
-            for u, x in enumerate(row):
-                pieces[u].append(x)
+    words = torch.tensor([stamp.seq, stamp.digest], dtype=torch.int64, device=comm).view(torch.uint8)
+    send = torch.cat([words, pack_bytes(mine, comm)])
+    if send.numel() < width:
+        send = torch.cat([send, send.new_zeros(width - send.numel())])
+    recv = gather_fixed(eng, send, entries[0].subgroup, workers).view(n_workers, width)
+    stamps = recv[:, :_STAMP_BYTES].contiguous().view(torch.int64).view(n_workers, 2).tolist()
+    for worker, (seq, digest) in zip(workers, stamps):
+        if (seq, digest) != (stamp.seq, stamp.digest):
+            raise mismatch(eng.rank, "the ordered all-reduce", stamp.seq, stamp.call, worker, seq)
+    for j in range(n_workers):
+        row = mine if j == me else unpack_bytes(recv[j, _STAMP_BYTES:], specs[j])[0]
+        for u, x in enumerate(row):
+            pieces[u].append(x)
     for u, unit in enumerate(units):
         full = torch.cat(pieces[u]) if pieces[u] else torch.empty(0, dtype=unit.dtype, device=comm)
         local = entries[unit.entry].local

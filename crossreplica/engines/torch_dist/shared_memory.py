@@ -59,6 +59,7 @@ from ...errors import CollectiveMismatchError, CollectiveTimeoutError
 from ...reduce_op import WIRE_DTYPES, ReduceOp
 from ..base import Pending
 from ..reduction import reduce_into
+from .agreement import mismatch, shared_code
 from .shm_files import HEADER, SHM_DIR, alive, create, open_existing, reads, unlink
 from .staging import InFlight, Piece, Ready, Registration, Staging, plan_chunks, register
 from .watchdog import WorkerFailedError
@@ -70,8 +71,10 @@ __all__ = ["SHM_DIR", "SharedMemoryReducer", "usable"]
 
 _DEPOSITED, _PUBLISHED = 0, 1
 # The region of the last round deposited: the round it describes (written first), then
-# its offset and length (see _deposit and _check_region).
-_DESCRIBED, _OFFSET, _NUMEL = 2, 3, 4
+# its offset and length, and the stamp of the call it belongs to (its number and digest,
+# agreement.py) (see _deposit and _check_region).
+_DESCRIBED, _OFFSET, _NUMEL, _CALL, _DIGEST = 2, 3, 4, 5, 6
+_Code = tuple[int, int]  # a call's number and code (agreement.shared_code)
 _BLOCK_BYTES = 1 << 20  # per block of a slice: its running result is re-read from cache
 # A wait yields the core for its first millisecond, then sleeps 50 us, doubling to
 # 200 us: a peer's last bucket is noticed within 0.2 ms (measured on the transformer
@@ -111,10 +114,11 @@ class _Segment:
 class _Round:
     """One all-reduce of ``numel`` elements at ``offset`` of a segment, on every worker."""
 
-    __slots__ = ("segment", "seq", "op", "offset", "numel", "reduced")
+    __slots__ = ("segment", "seq", "op", "offset", "numel", "reduced", "stamp")
 
-    def __init__(self, segment: _Segment, seq: int, op: ReduceOp, numel: int, offset: int = 0):
+    def __init__(self, segment: _Segment, seq: int, op: ReduceOp, numel: int, offset: int, stamp: _Code):
         self.segment, self.seq, self.op, self.numel, self.offset = segment, seq, op, numel, offset
+        self.stamp = stamp
         self.reduced = False
 
 
@@ -262,7 +266,8 @@ class SharedMemoryReducer:
             if segment is None or t.numel() != segment.numel or t.dtype != segment.dtype:
                 return None
             segments.append(segment)
-        rounds = [self._deposit(segment, segment.numel, op) for segment in segments]
+        stamp = self._code()
+        rounds = [self._deposit(segment, segment.numel, op, 0, stamp) for segment in segments]
         self.progress()
         return Pending(lambda: self._finish(rounds, list(tensors)))
 
@@ -287,8 +292,9 @@ class SharedMemoryReducer:
                 place.copy_(t)
                 places.append(place)
                 offsets[t.dtype] = offset + n
-            self._finish([self._deposit(arena.segment, totals[d], op, offset) for d, (arena, offset) in held.items()],
-                         [])
+            stamp = self._code()
+            self._finish([self._deposit(arena.segment, totals[d], op, offset, stamp)
+                          for d, (arena, offset) in held.items()], [])
             if inplace:
                 return [t.copy_(place) for t, place in zip(tensors, places)]
             # Large results in the engine's reused buffers: fresh pages cost more than the reduction.
@@ -299,7 +305,7 @@ class SharedMemoryReducer:
             self._release(held)
 
     def stage(self, tensors: Sequence[torch.Tensor], op: ReduceOp, staging: Staging,
-              out_device: torch.device | None) -> Pending | None:
+              out_device: torch.device | None, stamp: _Code | None = None) -> Pending | None:
         """Starts an all-reduce over every worker of ``tensors`` (contiguous, on one device:
         a staged call's CUDA tensors, ``staging.py``) through the arenas: each dtype's
         tensors are copied on the device's side stream straight into a region of its arena
@@ -310,7 +316,7 @@ class SharedMemoryReducer:
         ``out_device`` is None, else into new tensors there (the tensors' own device).
         None when the path does not take the call (as :meth:`all_reduce`); no copy has
         started then. Every worker makes the same calls in the same order, so the regions
-        and rounds agree."""
+        and rounds agree. ``stamp``: the call's (default: the engine's current call)."""
         device = tensors[0].device if tensors else None
         if (device is None or (out_device is not None and out_device != device)
                 or any(t.device != device or not t.is_contiguous() for t in tensors)):
@@ -338,7 +344,8 @@ class SharedMemoryReducer:
                 arena.inflight.add(side, ready)
                 lo, last = pieces[0].at, pieces[-1]
                 hi = last.at + last.hi - last.lo
-                steps.append((ready, _Deposit(self, rounds, arena.segment, offset + lo, hi - lo, op)))
+                steps.append((ready, _Deposit(self, rounds, arena.segment, offset + lo, hi - lo, op,
+                                              self._code() if stamp is None else stamp)))
                 chunks.append((region, mine, pieces))
         deferred = staging.defer(steps)
 
@@ -429,16 +436,22 @@ class SharedMemoryReducer:
             arena.pinned = None
         self._segments.pop(arena.segment.tensor.data_ptr(), None)
 
-    def _deposit(self, segment: _Segment, numel: int, op: ReduceOp, offset: int = 0) -> _Round:
-        """Publishes that this worker's ``numel`` elements at ``offset`` of ``segment`` are in place."""
+    def _code(self) -> _Code:
+        """The stamp of the engine's current call, as the headers carry it."""
+        watchdog = self._eng.watchdog
+        return shared_code(watchdog.count, watchdog.current)
+
+    def _deposit(self, segment: _Segment, numel: int, op: ReduceOp, offset: int, stamp: _Code) -> _Round:
+        """Publishes that this worker's ``numel`` elements at ``offset`` of ``segment`` are in
+        place, for the call of ``stamp``."""
         segment.seq += 1
         header = segment.header
         header[_DESCRIBED] = segment.seq
         _memory_fence()
-        header[_OFFSET], header[_NUMEL] = offset, numel
+        header[_OFFSET], header[_NUMEL], header[_CALL], header[_DIGEST] = offset, numel, stamp[0], stamp[1]
         _memory_fence()
         header[_DEPOSITED] = segment.seq
-        r = _Round(segment, segment.seq, op, numel, offset)
+        r = _Round(segment, segment.seq, op, numel, offset, stamp)
         self._open.append(r)
         return r
 
@@ -475,16 +488,22 @@ class SharedMemoryReducer:
         r.reduced = True
 
     def _check_region(self, r: _Round) -> None:
-        """Raises if a worker deposited round ``r`` in another region than this worker (their
-        calls disagree): never a sum of different data. Checked against every header still
-        describing ``r`` (its words are read between two reads of the round they describe)."""
+        """Raises if a worker deposited round ``r`` for another call or in another region than
+        this worker (their calls disagree): never a sum of different data. Checked against
+        every header still describing ``r`` (its words are read between two reads of the
+        round they describe)."""
         for rank, header in enumerate(r.segment.headers):
             if header[_DEPOSITED] != r.seq:
                 continue  # already past r: its words describe a later round
             _memory_fence()
-            offset, numel = header[_OFFSET], header[_NUMEL]
+            offset, numel, call, digest = header[_OFFSET], header[_NUMEL], header[_CALL], header[_DIGEST]
             _memory_fence()
-            if header[_DESCRIBED] == r.seq and (offset, numel) != (r.offset, r.numel):
+            if header[_DESCRIBED] != r.seq:
+                continue
+            if (call, digest) != r.stamp:
+                raise mismatch(self._eng.rank, "same-host shared memory", r.stamp[0], self._eng.watchdog.current,
+                               rank, call)
+            if (offset, numel) != (r.offset, r.numel):
                 raise CollectiveMismatchError(
                     f"collective {self._eng.watchdog.where} on worker rank {self._eng.rank} (same-host shared memory): "
                     f"worker rank {rank} deposited round {r.seq} of this buffer as {numel} elements at {offset}, this "
@@ -554,15 +573,16 @@ class SharedMemoryReducer:
 class _Deposit:
     """A staged chunk's launch: deposits its round (``rounds`` gets it) and reduces what is ready."""
 
-    __slots__ = ("numel", "offset", "op", "reducer", "rounds", "segment")
+    __slots__ = ("numel", "offset", "op", "reducer", "rounds", "segment", "stamp")
 
     def __init__(self, reducer: SharedMemoryReducer, rounds: list[_Round], segment: _Segment, offset: int,
-                 numel: int, op: ReduceOp):
+                 numel: int, op: ReduceOp, stamp: _Code):
         self.reducer, self.rounds, self.segment, self.offset, self.numel, self.op = (
             reducer, rounds, segment, offset, numel, op)
+        self.stamp = stamp
 
     def __call__(self) -> None:
-        self.rounds.append(self.reducer._deposit(self.segment, self.numel, self.op, self.offset))
+        self.rounds.append(self.reducer._deposit(self.segment, self.numel, self.op, self.offset, self.stamp))
         self.reducer.progress()
 
 

@@ -51,6 +51,7 @@ from ...errors import (CollectiveMismatchError, CollectiveTimeoutError, CrossRep
 from ...logs import slow_seconds
 from ..base import Call
 from ..deadline import Deadline
+from .agreement import stamp_of
 from .heartbeat import Heartbeat, Pulses, describe, period
 from .store_probe import StoreProbe
 
@@ -131,6 +132,7 @@ class Watchdog:
                 self.pulses = Pulses(self._prefix, rank, world_size, stopped)
         #: cross-process calls so far (the same on every worker: SPMD)
         self.count = 0
+        self._next_calls_read = 0.0  # when raise_if_calls_differ reads the peers' posts next
         #: the call under way, described only if something goes wrong
         self.current: Call | str = "no collective yet"
         self._exchanges: dict[int, int] = {}  # peer worker -> point-to-point exchanges with it so far
@@ -177,6 +179,7 @@ class Watchdog:
                 raise self.released(aborted)
             if wait.waited >= _SLICE:  # never on a fast exchange's path
                 self.raise_if_peers_lost()
+                self.raise_if_calls_differ(ranks)
             if wait.expired():
                 missing = list(late())
                 if timed_out is not None:
@@ -349,6 +352,32 @@ class Watchdog:
             self.announce(message)
             raise WorkerFailedError(message, self._replicas_of(lost))
 
+    def raise_if_calls_differ(self, ranks: Sequence[int]) -> None:
+        """Raises CollectiveMismatchError when a peer among ``ranks`` posted that it waits at
+        a call of the same number as this worker's latest but another stamp (read at most
+        once a slice): the workers made different calls, and would otherwise wait for each
+        other until the timeout."""
+        if self.store is None:
+            return
+        now = time.monotonic()
+        if now < self._next_calls_read:
+            return
+        self._next_calls_read = now + _SLICE
+        mine = self.stamp
+        for rank in ranks:
+            if rank == self.rank:
+                continue
+            count, stamp = self._posted_call(rank)
+            if count == self.count and stamp != mine:
+                message = (f"replicas made different collective calls: worker rank {rank} waits at its "
+                           f"cross-process call #{count} with another kind, op, dtype, shape or group assignment "
+                           f"than this worker's (rank {self.rank}) call #{self.count}, {self.where}; every "
+                           f"replica must make the same collective calls in the same order (a call made on one "
+                           f"worker only, such as strategy.reduce under `if rank == 0`, pairs with another "
+                           f"call); CROSSREPLICA_CHECK_COLLECTIVES=1 lists every replica's call")
+                self.announce(message)
+                raise CollectiveMismatchError(message)
+
     def _cut_off(self) -> str:
         """What a timeout message adds when the store stopped answering this worker."""
         if not self.probe.unreachable:
@@ -389,21 +418,26 @@ class Watchdog:
         """The error of this worker, released from its wait by another worker's failure
         (``aborted``: the abort key's message); posts that it has read the cause, so the
         failing worker need not wait for it before leaving (:meth:`linger`)."""
+        self._has_read()
+        return ReplicaAborted(f"{aborted}; this worker was released from {self.where}")
+
+    def _has_read(self) -> None:
+        """Posts that this worker knows of the failure announced (:meth:`linger` waits for it)."""
         read = f"{self._prefix}/read/{self.rank}"
         self.probe(None, lambda s: s.set(read, "1"))
-        return ReplicaAborted(f"{aborted}; this worker was released from {self.where}")
 
     def announce_at_exit(self, failure: BaseException) -> None:
         """Announces ``failure``, the exception this process leaves on, unless this worker
-        announced one already or ``failure`` is the consequence of another worker's (the
-        abort key is set, or it is a timeout, mismatch or release of ours)."""
+        announced one already, another worker's failure came first (this one then posts
+        that it knows it), or ``failure`` is a lost peer, a timeout, a mismatch or a release."""
         if self.announced is not None or self.store is None or self.world_size == 1:
+            return
+        if self.abort_message() is not None:  # another worker failed first: this one knows why
+            self._has_read()
             return
         original = failure.original if isinstance(failure, ReplicaError) else failure
         if isinstance(failure, _CONSEQUENCES) or isinstance(original, _CONSEQUENCES):
-            return
-        if self.abort_message() is not None:
-            return
+            return  # a lost peer, a timeout or a mismatch, each reported by the peers themselves
         self.announce(f"worker rank {self.rank} failed: {type(original).__name__}: {original}")
 
     def linger(self, seconds: float = LINGER_SECONDS) -> None:
@@ -416,7 +450,8 @@ class Watchdog:
             return
         self._lingered = True
         keys = {peer: f"{self._prefix}/read/{peer}" for peer in range(self.world_size) if peer != self.rank}
-        end = time.monotonic() + min(seconds, self.timeout)
+        bound = min(seconds, self.timeout)
+        wait = Deadline(bound, bound)  # no slow warning: the warning below says what is left
         while True:
             unread = self.probe(_GONE, lambda s: [peer for peer, key in keys.items() if not s.check([key])])
             if unread is _GONE or not unread:
@@ -425,15 +460,20 @@ class Watchdog:
             unread = [peer for peer in unread if peer not in stopped]
             if not unread:
                 return
-            if time.monotonic() >= end:
+            if wait.expired():
                 _log.warning("worker rank %d leaves before worker ranks %s read why it failed (waited %gs): "
-                             "they may report it only as lost", self.rank, unread, min(seconds, self.timeout))
+                             "they may report it only as lost", self.rank, unread, bound)
                 return
             time.sleep(_LINGER_POLL)
 
+    @property
+    def stamp(self) -> int:
+        """The digest of the latest call's stamp (agreement.py; 0 for a host-side meeting)."""
+        return stamp_of(self.count, [self.current]).digest if isinstance(self.current, Call) else 0
+
     def post_progress(self) -> None:
-        count = str(self.count)
-        self.probe(None, lambda s: s.set(f"{self._prefix}/progress/{self.rank}", count))
+        posted = f"{self.count} {self.stamp}"  # the call this worker waits at, and its stamp
+        self.probe(None, lambda s: s.set(f"{self._prefix}/progress/{self.rank}", posted))
 
     def abort_message(self) -> str | None:
         key = f"{self._prefix}/abort"
@@ -444,8 +484,19 @@ class Watchdog:
 
     def _progress(self, rank: int) -> int:
         """The last cross-process call ``rank`` posted that it waits at (-1: none, or unknown)."""
+        return self._posted_call(rank)[0]
+
+    def _posted_call(self, rank: int) -> tuple[int, int]:
+        """The number and stamp of the last call ``rank`` posted that it waits at ((-1, 0): none,
+        or unknown)."""
         key = f"{self._prefix}/progress/{rank}"
-        return self.probe(-1, lambda s: int(s.get(key)) if s.check([key]) else -1)
+
+        def read(s: Any) -> tuple[int, int]:
+            if not s.check([key]):
+                return -1, 0
+            count, _, stamp = s.get(key).decode().partition(" ")
+            return int(count), int(stamp or 0)
+        return self.probe((-1, 0), read)
 
     def _missing(self, ranks: Sequence[int], grace: float = 0.0) -> list[int]:
         """Ranks among ``ranks`` that have not posted progress at this call (store based)."""
@@ -494,7 +545,14 @@ class Watchdog:
         first = first.split(". ")[0]  # the backend's advice that follows is not ours to give
         return WorkerFailedError(
             f"collective {self.where} failed on worker rank {self.rank}: the connection to another "
-            f"worker broke ({first}); {who}", replicas)
+            f"worker broke ({first}); {who}{_ABORTED_BY_GLOO if self.backend == 'gloo' else ''}", replicas)
+
+
+# gloo aborts a process whose peer sends another size in a collective: a worker that crashed
+# there may have made another call than this one (engines/torch_dist/agreement.py).
+_ABORTED_BY_GLOO = (" (if it crashed in gloo, it may have made another collective call than this worker with "
+                    "a payload of another size, which gloo aborts on; CROSSREPLICA_CHECK_COLLECTIVES=1 names "
+                    "such a mismatch before the data moves)")
 
 
 class Transfers:
