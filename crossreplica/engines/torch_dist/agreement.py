@@ -87,9 +87,10 @@ def shared_code(count: int, call: Call | str) -> tuple[int, int]:
     process). Its kind is all_reduce and its group every replica there; a dtype of its own
     has a buffer of its own, so workers that differ in it wait on different buffers (and
     the stalled wait compares full stamps: ``watchdog.raise_if_calls_differ``)."""
-    if not isinstance(call, Call):
+    if not isinstance(call, Call):  # a host-side meeting
         return count, 0
-    return count, hash((_OP_CODES[call.params.op], call.shapes)) & _WORD
+    op = getattr(call.params, "op", None)  # a meeting's call has no op
+    return count, hash((-1 if op is None else _OP_CODES[op], call.shapes)) & _WORD
 
 
 _OP_CODES = {op: code for code, op in enumerate(ReduceOp)}
