@@ -23,7 +23,7 @@ import torch
 
 from .. import torch_private as tp
 from ..reduce_op import ReduceOp
-from .reduction import reduce_into, reduced
+from .reduction import reduced
 
 __all__ = ["FUSED_DTYPES", "MAX_FUSED", "fold", "fusable", "reduce_column", "reduce_in_place"]
 
@@ -39,18 +39,17 @@ FUSED_DTYPES = frozenset((torch.float32, torch.float64, torch.int32, torch.int64
 ROWS_BYTES = 1 << 20
 
 _kernels: dict[int, Callable[..., torch.Tensor]] = {}
-_broken = tp.create_jit_fn is None  # no jiterator in this torch: the chain always
+_broken = False  # a kernel failed to build (NVRTC missing, say): the chain from then on
 
 
-def _kernel(n: int) -> Callable[..., torch.Tensor]:
+def _kernel(n: int, create: Callable[[str], Callable[..., torch.Tensor]]) -> Callable[..., torch.Tensor]:
+    """The fold of ``n`` inputs, built with ``create`` (the jiterator) at its first use."""
     fn = _kernels.get(n)
     if fn is None:
         args = ", ".join(f"T x{k}" for k in range(n))
         steps = "".join(f" acc = acc + x{k};" for k in range(2, n))
         code = (f"template <typename T> T crossreplica_fold{n}({args}) "
                 f"{{ T acc = x0 + x1;{steps} return acc; }}")
-        create = tp.create_jit_fn
-        assert create is not None  # fold() checks _broken first
         fn = _kernels[n] = create(code)
     return fn
 
@@ -68,12 +67,12 @@ def fold(op: ReduceOp, xs: Sequence[torch.Tensor]) -> torch.Tensor:
     """A new tensor holding ``reduced(op, xs)`` (the same bytes), in one kernel where the
     fused fold applies: SUM or MEAN of 3 to 8 CUDA tensors of one dtype in FUSED_DTYPES."""
     global _broken
-    n = len(xs)
-    if (_broken or n < 3 or n > MAX_FUSED or (op is not ReduceOp.SUM and op is not ReduceOp.MEAN)
+    n, create = len(xs), tp.create_jit_fn
+    if (_broken or create is None or n < 3 or n > MAX_FUSED or (op is not ReduceOp.SUM and op is not ReduceOp.MEAN)
             or not fusable(xs)):
         return reduced(op, xs)
     try:
-        out = _kernel(n)(*xs)
+        out = _kernel(n, create)(*xs)
     except Exception as e:  # noqa: BLE001 - NVRTC missing or a build failure: the chain from now on
         _broken = True
         _log.info("fused GPU reduction unavailable (%s: %s); reducing with one kernel per member",
@@ -114,5 +113,4 @@ def reduce_in_place(op: ReduceOp, xs: Sequence[torch.Tensor]) -> None:
     """Every tensor of ``xs`` (one CUDA device) replaced by their reduction."""
     if len(xs) < 2:
         return
-    acc = fold(op, xs) if len(xs) > 2 else reduce_into(op, torch.empty_like(xs[0]), xs)
-    tp.foreach_copy_(list(xs), [acc] * len(xs))
+    tp.foreach_copy_(list(xs), [fold(op, xs)] * len(xs))  # fold: the chain below 3 members

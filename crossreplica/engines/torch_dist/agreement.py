@@ -43,7 +43,8 @@ from ...reduce_op import ReduceOp
 from ..base import Call
 from ..kinds import SPECS
 
-__all__ = ["Stamp", "check_elements", "mismatch", "shared_code", "stamp_digits", "stamp_of", "verify_elements"]
+__all__ = ["STAMP_DIGITS", "Stamp", "check_elements", "check_rows", "mismatch", "shared_code", "stamp_digits",
+           "stamp_of", "verify_elements"]
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # spreads the sequence number over the digest's bits
@@ -57,9 +58,6 @@ class Stamp(NamedTuple):
     seq: int
     digest: int  #: 63 bits, non-negative (fits an int64 word)
     call: Call
-
-    def describe(self) -> str:
-        return f"call #{self.seq} {self.call.describe()}"
 
 
 def stamp_of(seq: int, calls: Sequence[Call]) -> Stamp:
@@ -158,9 +156,24 @@ def verify_elements(reduced: torch.Tensor, stamp: Stamp, op: ReduceOp, workers: 
             f"calls in the same order; CROSSREPLICA_CHECK_COLLECTIVES=1 lists every replica's call")
 
 
+#: the digits of :func:`stamp_digits`: the call's number (8), then the digest (8)
+STAMP_DIGITS = 16
+
+
 def stamp_digits(stamp: Stamp, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The stamp as 12 byte-sized digits (the call's number's low 32 bits, then the digest's
-    64 low bits), exact in any floating dtype: for rows of data that travel whole."""
-    seq = [(stamp.seq >> (8 * i)) & 0xFF for i in range(4)]
+    """The stamp as ``STAMP_DIGITS`` byte-sized digits (the call's number, then the digest,
+    low byte first), exact in any floating dtype and in uint8: for rows of data that travel
+    whole (16 bytes keep a byte row's data 8-byte aligned after them)."""
+    seq = [(stamp.seq >> (8 * i)) & 0xFF for i in range(8)]
     digest = [(stamp.digest >> (8 * i)) & 0xFF for i in range(8)]
     return torch.tensor(seq + digest, dtype=dtype, device=device)
+
+
+def check_rows(digits: torch.Tensor, stamp: Stamp, workers: Sequence[int], rank: int, where: str) -> None:
+    """Raises unless every worker's gathered stamp digits (``digits``: one row of
+    ``STAMP_DIGITS`` per worker of ``workers``) are this worker's."""
+    mine = stamp_digits(stamp, digits.dtype, digits.device)
+    for worker, theirs in zip(workers, digits):
+        if not torch.equal(theirs, mine):
+            seq = sum(int(v) << (8 * i) for i, v in enumerate(theirs[:8].tolist()))
+            raise mismatch(rank, where, stamp.seq, stamp.call, worker, seq)

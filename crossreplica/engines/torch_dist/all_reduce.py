@@ -35,8 +35,8 @@ import torch.distributed as dist
 from ...reduce_op import ReduceOp
 from ..base import Call, Kind, Pending, is_inplace, scatter_slice
 from ..reduction import reduce_into
-from .agreement import (CHECKED_DTYPES, CHECKED_OPS, Stamp, check_elements, mismatch, shared_code, stamp_digits,
-                        stamp_of, verify_elements)
+from .agreement import (CHECKED_DTYPES, CHECKED_OPS, STAMP_DIGITS, Stamp, check_elements, check_rows, shared_code,
+                        stamp_digits, stamp_of, verify_elements)
 from .chain import Hosts, chain_all_reduce, chain_hosts, drain, start_chain
 from .ordered import ordered_all_reduce
 from .plan import GroupPlan, Step, by_worker_set
@@ -273,17 +273,13 @@ def start_gathered_all_reduce(eng: TorchDistEngine, call: Call,
     rows = [torch.empty_like(local) for _ in range(eng.world_size)]
     work = dist.all_gather(rows, local, async_op=True)
     op: ReduceOp = call.params.op
-    k = digits.numel()
-
-    def check() -> None:
-        for worker, block in enumerate(rows):
-            if not torch.equal(block[0, -k:], digits):
-                seq = int(sum(int(v) << (8 * i) for i, v in enumerate(block[0, -k:][:4].tolist())))
-                raise mismatch(eng.rank, "the gathered all-reduce", stamp.seq, call, worker, seq)
+    k = STAMP_DIGITS
+    workers = range(eng.world_size)
 
     def finish() -> list[torch.Tensor]:
-        eng.settle(lambda: eng.watchdog.wait(work, range(eng.world_size)))
-        eng.settle(check)
+        eng.settle(lambda: eng.watchdog.wait(work, workers))
+        eng.settle(lambda: check_rows(torch.stack([block[0, -k:] for block in rows]), stamp, workers, eng.rank,
+                                      "the gathered all-reduce"))
         every = [row[:-k] for block in rows for row in block.unbind(0)]  # ascending replica id
         out = torch.empty_like(every[0])
         reduce_into(op, out, every)
@@ -317,6 +313,9 @@ def _reduced(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
     index, payloads, groups = eng.local_index, step.payloads, step.call.groups
     n_leaves = len(payloads[0])
     outs: list[list[Any]] = [[None] * n_leaves for _ in payloads]
+    # this worker's calls and their stamp (agreement.py): the same for every worker set
+    calls = [step.call._replace(params=step.params[rid]) for rid in eng.local_replica_ids]
+    stamp = stamp_of(eng.watchdog.count, calls)
     for workers, entries in by_worker_set(eng.planner.plan(groups)).items():
         if len(workers) == 1:
             for entry in entries:
@@ -331,8 +330,6 @@ def _reduced(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
         ref = payloads[index[entries[0].local[0]]]
         ordered = [leaf for leaf in range(n_leaves) if eng.ordered_reductions and len(groups[0]) > 2
                    and (ref[leaf].dtype.is_floating_point or ref[leaf].dtype.is_complex)]
-        calls = [step.call._replace(params=step.params[rid]) for rid in eng.local_replica_ids]
-        stamp = stamp_of(eng.watchdog.count, calls)
         if ordered:
             hosts = chain_hosts(eng, workers, entries)
             if hosts is not None:

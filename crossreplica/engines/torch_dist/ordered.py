@@ -20,7 +20,7 @@ import torch
 from ...packing import byte_pack_size, pack_bytes, unpack_bytes
 from ...reduce_op import ReduceOp
 from ..reduction import reduce_into
-from .agreement import Stamp, mismatch
+from .agreement import STAMP_DIGITS, Stamp, check_rows, stamp_digits
 from .gather import gather_fixed
 from .p2p import Spec, exchange
 from .plan import GroupPlan
@@ -29,8 +29,6 @@ if TYPE_CHECKING:
     from .engine import TorchDistEngine
 
 __all__ = ["ordered_all_reduce"]
-
-_STAMP_BYTES = 16  # each gathered row's first bytes: the call's number and digest (two int64)
 
 
 class _Unit(NamedTuple):
@@ -87,19 +85,15 @@ def ordered_all_reduce(eng: TorchDistEngine, workers: tuple[int, ...], entries: 
         mine.append(reduce_into(ops[unit.entry], torch.empty(hi - lo, dtype=unit.dtype, device=comm), xs))
     specs = [[((bounds(unit.numel, j)[1] - bounds(unit.numel, j)[0],), unit.dtype) for unit in units]
              for j in range(n_workers)]
-    width = max(byte_pack_size(row) for row in specs) + _STAMP_BYTES
+    width = max(byte_pack_size(row) for row in specs) + STAMP_DIGITS
     pieces: list[list[torch.Tensor]] = [[] for _ in units]
-    words = torch.tensor([stamp.seq, stamp.digest], dtype=torch.int64, device=comm).view(torch.uint8)
-    send = torch.cat([words, pack_bytes(mine, comm)])
+    send = torch.cat([stamp_digits(stamp, torch.uint8, comm), pack_bytes(mine, comm)])
     if send.numel() < width:
         send = torch.cat([send, send.new_zeros(width - send.numel())])
     recv = gather_fixed(eng, send, entries[0].subgroup, workers).view(n_workers, width)
-    stamps = recv[:, :_STAMP_BYTES].contiguous().view(torch.int64).view(n_workers, 2).tolist()
-    for worker, (seq, digest) in zip(workers, stamps):
-        if (seq, digest) != (stamp.seq, stamp.digest):
-            raise mismatch(eng.rank, "the ordered all-reduce", stamp.seq, stamp.call, worker, seq)
+    check_rows(recv[:, :STAMP_DIGITS], stamp, workers, eng.rank, "the ordered all-reduce")
     for j in range(n_workers):
-        row = mine if j == me else unpack_bytes(recv[j, _STAMP_BYTES:], specs[j])[0]
+        row = mine if j == me else unpack_bytes(recv[j, STAMP_DIGITS:], specs[j])[0]
         for u, x in enumerate(row):
             pieces[u].append(x)
     for u, unit in enumerate(units):

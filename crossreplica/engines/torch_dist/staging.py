@@ -124,7 +124,7 @@ class _Done:
         return True
 
     def synchronize(self) -> None:
-        pass
+        """Nothing to wait for."""
 
 
 DONE: Ready = _Done()
@@ -213,22 +213,18 @@ def register(ptr: int, nbytes: int, device: torch.device, keep: object) -> Regis
 
 
 def _unregister(ptr: int, device: torch.device, keep: object) -> None:
-    try:
+    with contextlib.suppress(Exception):  # best effort: at exit CUDA may be gone already
         torch.cuda.synchronize(device)
         if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
             _forget_error(device)
-    except Exception:  # noqa: BLE001, S110 - best effort: at exit CUDA may be gone already
-        pass
 
 
 def _forget_error(device: torch.device) -> None:
     """A failed CUDA runtime call stays this thread's last error, which torch's next kernel
     launch check would report as its own; a kernel launched here reads it first (its
     check raises, which clears it)."""
-    try:
+    with contextlib.suppress(RuntimeError):
         torch.empty(1, device=device).fill_(0)
-    except RuntimeError:
-        pass
 
 
 def _host_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:

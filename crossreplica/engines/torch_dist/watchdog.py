@@ -121,7 +121,6 @@ class Watchdog:
         #: this worker's heartbeat, and its peers' (a lost peer is named within seconds)
         self.heartbeat: Heartbeat | None = None
         self.pulses: Pulses | None = None
-        self._next_pulse_read = 0.0
         if self.store is not None and world_size > 1:
             stopped = settings.heartbeat_seconds()
             try:
@@ -132,7 +131,7 @@ class Watchdog:
                 self.pulses = Pulses(self._prefix, rank, world_size, stopped)
         #: cross-process calls so far (the same on every worker: SPMD)
         self.count = 0
-        self._next_calls_read = 0.0  # when raise_if_calls_differ reads the peers' posts next
+        self._next_read: dict[str, float] = {}  # when each once-a-slice store read is due next (_due)
         #: the call under way, described only if something goes wrong
         self.current: Call | str = "no collective yet"
         self._exchanges: dict[int, int] = {}  # peer worker -> point-to-point exchanges with it so far
@@ -336,15 +335,20 @@ class Watchdog:
             return []
         return self.pulses.lost(lambda call: self.probe(None, call))
 
+    def _due(self, read: str) -> bool:
+        """Whether the store read ``read`` is due: at most once a slice each, so that a
+        waiting worker's polls stay cheap for the store."""
+        now = time.monotonic()
+        if now < self._next_read.get(read, 0.0):
+            return False
+        self._next_read[read] = now + _SLICE
+        return True
+
     def raise_if_peers_lost(self) -> None:
         """Raises WorkerFailedError naming every peer whose heartbeat stopped (read at most
         once a slice), after telling the other workers through the abort key."""
-        if self.pulses is None:
+        if self.pulses is None or not self._due("pulses"):
             return
-        now = time.monotonic()
-        if now < self._next_pulse_read:
-            return
-        self._next_pulse_read = now + _SLICE
         lost = self.pulses.lost(lambda call: self.probe(None, call))
         if lost:
             message = (f"collective {self.where} failed on worker rank {self.rank}: "
@@ -357,12 +361,8 @@ class Watchdog:
         a call of the same number as this worker's latest but another stamp (read at most
         once a slice): the workers made different calls, and would otherwise wait for each
         other until the timeout."""
-        if self.store is None:
+        if self.store is None or not self._due("calls"):
             return
-        now = time.monotonic()
-        if now < self._next_calls_read:
-            return
-        self._next_calls_read = now + _SLICE
         mine = self.stamp
         for rank in ranks:
             if rank == self.rank:
