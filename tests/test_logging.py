@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -197,8 +198,10 @@ def test_a_slow_overlapped_bucket_reduction_names_the_replicas_not_arrived(caplo
     x = cr.PerReplica([torch.ones(3, 4), torch.full((3, 4), 2.0)])
     strategy.run(step, args=(model, opts, x, 1.0))
     warned = [r.getMessage() for r in _records(caplog, logging.WARNING)]
-    assert len(warned) == 1 and "has waited 0.2s: replicas [1] have not arrived yet (replicas [0] are waiting; " \
-        "asynchronous round #1 of this run); it fails after 20s" in warned[0], warned
+    # the wait it reports is measured: 0.2 s plus however late a loaded machine wakes the waiter
+    assert len(warned) == 1 and re.search(
+        r"has waited 0\.2\d*s: replicas \[1\] have not arrived yet \(replicas \[0\] are waiting; "
+        r"asynchronous round #1 of this run\); it fails after 20s", warned[0]), warned
     caplog.clear()
     strategy.run(step, args=(model, opts, x, 0.0))  # on time: nothing
     assert not _records(caplog, logging.WARNING)
