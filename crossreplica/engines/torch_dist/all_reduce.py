@@ -173,8 +173,9 @@ def _start_on_host(eng: TorchDistEngine, call: Call, tensors: list[torch.Tensor]
     """Starts the call on host tensors: along the chain of ``hosts``, through the same-host
     path's buffers, or as async backend work (see :func:`start_all_reduce`)."""
     if hosts is not None:
+        # No precheck here: earlier chains may still be sending on the chain thread, and a
+        # collective of this thread's among them would meet the workers in different orders.
         eng.begin([call])
-        eng.settle(lambda: precheck(eng, [call]))
         return start_chain(eng, hosts, call.params.op, tensors)
     drain(eng)
     eng.begin([call])
