@@ -241,6 +241,21 @@ def test_a_worker_cut_off_from_the_store_fails_within_the_timeout(wait):
     assert watchdog.probe.unreachable
 
 
+def test_a_cut_off_worker_whose_backend_times_out_first_says_so():
+    """gloo's recv timeout and ours race: when gloo's wins, the error is the broken connection's,
+    and it too says that this worker is probably the one cut off (not a peer's crash in gloo)."""
+    watchdog, store = _cut_off_watchdog(timeout=5.0)
+    try:
+        # what the engine hands the watchdog when gloo's wait raises (engine.py, is_peer_loss)
+        error = watchdog.lost(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 8000ms "
+                                           "for recv operation to complete"))
+    finally:
+        store.release.set()
+    assert type(error).__name__ == "WorkerFailedError", error
+    assert "stopped answering this worker" in str(error), error
+    assert "worker ranks [0]" in str(error) and "crashed in gloo" not in str(error), error
+
+
 # --------------------------------------------------------------------------- job secrets that differ
 
 

@@ -543,9 +543,11 @@ class Watchdog:
                f"dead" if missing else "the failing worker is unknown")
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         first = first.split(". ")[0]  # the backend's advice that follows is not ours to give
+        # A worker cut off from the store is the likelier cause than a peer's crash in gloo.
+        why = self._cut_off() or (_ABORTED_BY_GLOO if self.backend == "gloo" else "")
         return WorkerFailedError(
             f"collective {self.where} failed on worker rank {self.rank}: the connection to another "
-            f"worker broke ({first}); {who}{_ABORTED_BY_GLOO if self.backend == 'gloo' else ''}", replicas)
+            f"worker broke ({first}); {who}{why}", replicas)
 
 
 # gloo aborts a process whose peer sends another size in a collective: a worker that crashed
