@@ -28,6 +28,7 @@ import weakref
 from typing import Any, NoReturn
 from collections.abc import Callable, Sequence
 
+from .openmp_pool import quiet_caller_threads
 from ..errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -45,6 +46,9 @@ _live: "weakref.WeakSet[ReplicaThreads]" = weakref.WeakSet()
 _stopping: set[threading.Thread] = set()
 _stopping_lock = threading.Lock()
 
+#: A run at least this long (the last one's time) starts by quieting the caller's OpenMP
+#: workers (openmp_pool.py): their spinning would take a core for its whole length.
+QUIET_AFTER = 1e-3
 #: How long closing a strategy waits for its idle threads to end (they end at once
 #: unless the machine is overloaded).
 JOIN_TIMEOUT = 5.0
@@ -114,6 +118,7 @@ class ReplicaThreads:
         self._remaining = 0
         self._threads: list[threading.Thread] = []
         self._generation = 0
+        self._last_seconds = 0.0  # how long the last run took
         self.busy = False
 
     def _start(self) -> None:
@@ -186,6 +191,9 @@ class ReplicaThreads:
         self._results, self._errors = results, errors
         self._remaining = self.n
         try:
+            if self._last_seconds >= QUIET_AFTER:  # see openmp_pool.py: worth it for long runs only
+                quiet_caller_threads()
+            started = time.perf_counter()
             for g in self._go:
                 g.release()
             while not self._done.acquire(timeout=1.0):
@@ -199,6 +207,7 @@ class ReplicaThreads:
                 elif self._errors:
                     break
             errors = list(errors)
+            self._last_seconds = time.perf_counter() - started
         finally:
             # Nothing of the run stays here: results and errors belong to the caller.
             self._body = self._on_error = self._results = None
