@@ -23,7 +23,7 @@ from .values import (DistributedValues, Mirrored, PerReplica, regroup, select_re
                      select_replica_mirrored)
 from .cross_device_ops import (AllReduceCrossDeviceOps, CommunicationOptions, CrossDeviceOps,
                                ReductionToOneDevice)
-from .data import InputContext, ValueContext
+from .data import InputContext, InputReplicationMode, ValueContext
 from .micro_batches import LayoutInvariant, replica_share
 from .optim import CrossShardOptimizer
 from .fault_tolerance import FaultTolerance, FencedOutError
@@ -46,7 +46,7 @@ __all__ = [
     "all_reduce", "cross_replica_sum", "cross_replica_mean", "cross_replica_average", "all_gather",
     "reduce_scatter", "all_to_all", "broadcast", "collective_permute", "replica_id", "num_replicas",
     "CrossDeviceOps", "ReductionToOneDevice", "AllReduceCrossDeviceOps", "CommunicationOptions",
-    "InputContext", "ValueContext", "MultiStepContext", "CrossShardOptimizer", "nn",
+    "InputContext", "InputReplicationMode", "ValueContext", "MultiStepContext", "CrossShardOptimizer", "nn",
     "FaultTolerance", "FencedOutError",
     "Variable", "VariableSynchronization", "VariableAggregation",
     "replica_generator", "checkpoint_context_fn",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from typing import TYPE_CHECKING, Any, Protocol
 from collections.abc import Callable, Iterator
 
@@ -40,6 +41,7 @@ __all__ = [
     "register_default_strategy",
     "update_context",
     "current_update",
+    "options_or_hints",
 ]
 
 
@@ -73,6 +75,9 @@ class ReplicaHost(Protocol):
 
     def replica_all_gather(self, rctx: "ReplicaContext", value: Any, axis: int) -> Any:
         """``ReplicaContext.all_gather``: concatenates ``value`` over every replica in sync."""
+
+    def experimental_logical_device(self, logical_device_id: int) -> contextlib.AbstractContextManager[Any]:
+        """A block on logical device ``logical_device_id`` (``ReplicaContext.experimental_logical_device``)."""
 
 
 class StrategyLike(Protocol):
@@ -288,15 +293,24 @@ class ReplicaContext:
     def local_index(self) -> int:
         return self._local_index
 
-    def all_reduce(self, reduce_op: ReduceOp | str, value: Any, options: Any = None) -> Any:
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any, options: Any = None, *,
+                   experimental_hints: Any = None) -> Any:
         """All-reduces a nest of tensors over every replica in sync through the strategy's
         ``cross_device_ops`` (``options``: a ``cr.CommunicationOptions``; its
-        ``timeout_seconds`` bounds the wait for the other replicas)."""
+        ``timeout_seconds`` bounds the wait for the other replicas). ``experimental_hints``
+        is TF 2.2/2.3's name for ``options`` (a DeprecationWarning, as TF's)."""
+        options = options_or_hints(options, experimental_hints, "ReplicaContext.all_reduce")
         return self._host.replica_all_reduce(self, reduce_op, value, options)
 
     def all_gather(self, value: Any, axis: int) -> Any:
         """Concatenates every replica's ``value`` along ``axis`` (replica order)."""
         return self._host.replica_all_gather(self, value, axis)
+
+    def experimental_logical_device(self, logical_device_id: int) -> contextlib.AbstractContextManager[Any]:
+        """TF's TPU replica context's: ``with rctx.experimental_logical_device(j):`` runs the block
+        on this replica's logical device ``j``, as ``strategy.extended.experimental_logical_device(j)``
+        (new tensors, and variables created there, go to that device)."""
+        return self._host.experimental_logical_device(logical_device_id)
 
     def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (),
                    kwargs: dict | None = None) -> Any:
@@ -311,6 +325,20 @@ class ReplicaContext:
     def __repr__(self) -> str:
         return (f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, "
                 f"num_replicas_in_sync={self.num_replicas_in_sync})")
+
+
+def options_or_hints(options: Any, experimental_hints: Any, api: str) -> Any:
+    """``options``, or ``experimental_hints``, TF 2.2/2.3's name for it (TF's
+    ``CollectiveHints``, here a ``cr.CommunicationOptions``), with a DeprecationWarning as
+    TF gives; both at once is a TypeError."""
+    if experimental_hints is None:
+        return options
+    if options is not None:
+        raise TypeError(f"{api} got options={options!r} and experimental_hints={experimental_hints!r}; "
+                        f"experimental_hints is TF's old name for options: pass options only")
+    warnings.warn(f"{api}(experimental_hints=...) is TF 2.2/2.3's name for options=; pass "
+                  f"options=cr.CommunicationOptions(...) (TF's CollectiveHints)", DeprecationWarning, stacklevel=3)
+    return experimental_hints
 
 
 def _check_merge_call(merge_fn: Any, args: Any, kwargs: Any) -> None:
@@ -339,8 +367,10 @@ class _DefaultReplicaContext(ReplicaContext):
     def check_current(self, prefix: str, name: object = "") -> None:
         """Always current: the default context belongs to no run."""
 
-    def all_reduce(self, reduce_op: ReduceOp | str, value: Any, options: Any = None) -> Any:
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any, options: Any = None, *,
+                   experimental_hints: Any = None) -> Any:
         """``value`` itself: the SUM or MEAN (or MAX, ...) of one replica."""
+        options_or_hints(options, experimental_hints, "ReplicaContext.all_reduce")
         ReduceOp.from_any(reduce_op, "reduce_op")
         return value
 

@@ -44,6 +44,7 @@ import torch
 
 from . import context
 from .arguments import check_int
+from .context import options_or_hints
 from .collectives import all_reduce as engine_all_reduce
 from .devices import canonical_device
 from .packing import DEFAULT_BYTES_PER_PACK, flatten_pack, plan_packs
@@ -161,6 +162,12 @@ class Reducer(Protocol):
         ...
 
 
+# TF 2's CrossDeviceOps reads a plain tensor as the one value of a single replica.
+_PLAIN_TENSOR_HINT = ("; TF's CrossDeviceOps.reduce reads a plain tensor as one replica's value and gives it back "
+                      "unchanged: for that, use the tensor itself (ops.broadcast(t, destinations) copies it onto "
+                      "the destinations)")
+
+
 def _reducer(reducer: Reducer | None) -> Reducer:
     return reducer if reducer is not None else context.get_strategy().extended
 
@@ -196,18 +203,24 @@ class CrossDeviceOps:
     """
 
     def reduce(self, reduce_op: ReduceOp | str, per_replica_value: Any, destinations: Any,
-               options: CommunicationOptions | None = None, *, reducer: Reducer | None = None) -> Mirrored:
+               options: CommunicationOptions | None = None, *, reducer: Reducer | None = None,
+               experimental_hints: CommunicationOptions | None = None) -> Mirrored:
         """Reduces ``per_replica_value`` and places the result on ``destinations``.
 
         A value that is not distributed is the same on every replica and
-        reduces as tf.distribute's ``reduce_non_distributed_value`` says.
+        reduces as tf.distribute's ``reduce_non_distributed_value`` says: MEAN
+        (MAX, MIN) gives it back, a zero is its own reduction by any op, and SUM
+        or PROD of another value over several replicas is a ValueError.
         ``reducer`` is the strategy machinery that reduces across replicas
-        (None: ``cr.get_strategy().extended``).
+        (None: ``cr.get_strategy().extended``). ``reduce_op`` may be a
+        ``cr.VariableAggregation`` SUM or MEAN (TF 1.x's); ``experimental_hints``
+        is TF 2.2/2.3's name for ``options``.
 
         Raises:
             ValueError: a bad op, value, destinations or options.
         """
         require_cross_replica(self, "reduce")
+        options = options_or_hints(options, experimental_hints, f"{type(self).__name__}.reduce")
         op = ReduceOp.from_any(reduce_op, "reduce_op")
         devices = get_devices_from(destinations)
         _check_options(options)
@@ -215,7 +228,7 @@ class CrossDeviceOps:
         if not isinstance(per_replica_value, DistributedValues):
             t = _as_tensor(per_replica_value, "per_replica_value")
             n = reducer.num_replicas_in_sync
-            return _copies(reduce_non_distributed_value(op, t, n), devices, fresh=False)
+            return _copies(reduce_non_distributed_value(op, t, n, _PLAIN_TENSOR_HINT), devices, fresh=False)
         values = _local_values(per_replica_value, "per_replica_value")
         for v in values:
             check_dtype(op, v.dtype, "per_replica_value")
@@ -224,10 +237,11 @@ class CrossDeviceOps:
 
     def batch_reduce(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]],
                      options: CommunicationOptions | None = None, *,
-                     reducer: Reducer | None = None) -> list[Mirrored]:
+                     reducer: Reducer | None = None,
+                     experimental_hints: CommunicationOptions | None = None) -> list[Mirrored]:
         """Reduces each ``(value, destinations)`` pair; returns one Mirrored per pair.
 
-        ``reducer`` as for :meth:`reduce`.
+        ``reducer``, ``reduce_op`` and ``experimental_hints`` as for :meth:`reduce`.
 
         Raises:
             ValueError: ``value_destination_pairs`` is not a sequence of
@@ -235,6 +249,7 @@ class CrossDeviceOps:
             ReplicaContextError: called inside a replica function.
         """
         require_cross_replica(self, "batch_reduce")
+        options = options_or_hints(options, experimental_hints, f"{type(self).__name__}.batch_reduce")
         op = ReduceOp.from_any(reduce_op, "reduce_op")
         _check_options(options)
         if isinstance(value_destination_pairs, (str, bytes)) or \
@@ -260,7 +275,8 @@ class CrossDeviceOps:
             if not isinstance(value, DistributedValues):
                 t = _as_tensor(value, f"value_destination_pairs[{i}][0]")
                 n = reducer.num_replicas_in_sync
-                results[i] = _copies(reduce_non_distributed_value(op, t, n), devices, fresh=False)
+                results[i] = _copies(reduce_non_distributed_value(op, t, n, _PLAIN_TENSOR_HINT), devices,
+                                     fresh=False)
                 continue
             values = _local_values(value, f"value_destination_pairs[{i}][0]")
             for v in values:

@@ -43,10 +43,17 @@ batches): a per-worker loader, a DDP one included, belongs here (its
 are ``ctx.num_input_pipelines`` and ``ctx.input_pipeline_id``, else a ValueError).
 ``experimental_distribute_values_from_function`` calls
 ``fn(ValueContext)`` once per local replica.
+
+TF 1.x's spellings are thin layers over these: ``make_input_fn_iterator(input_fn,
+InputReplicationMode.PER_WORKER)`` is an :class:`InputFunctionIterator` over
+``distribute_datasets_from_function(input_fn)``, and
+``experimental_make_numpy_dataset(arrays)`` a :class:`NumpyDataset` of their
+rows, to batch with a DataLoader and pass to ``distribute_dataset``.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import warnings
@@ -54,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
+from torch.utils.data import Dataset
 
 from . import nest
 from .arguments import check_int
@@ -68,7 +76,30 @@ if TYPE_CHECKING:
 _log = logging.getLogger(__name__)
 
 __all__ = ["InputContext", "ValueContext", "DistributedDataset", "split_sizes", "split_batch",
-           "distribute_batch"]
+           "distribute_batch", "InputReplicationMode", "InputFunctionIterator", "NumpyDataset"]
+
+
+class InputReplicationMode(enum.Enum):
+    """How an input function is replicated (TF's ``tf.distribute.InputReplicationMode``):
+    ``PER_WORKER`` calls it once per worker, whose pipeline feeds the worker's replicas
+    in turn; ``PER_REPLICA`` (TF 2.4's) once per replica, which ``make_input_fn_iterator``
+    does not take, as in TF."""
+
+    PER_WORKER = "PER_WORKER"
+    PER_REPLICA = "PER_REPLICA"
+
+    @classmethod
+    def from_any(cls, value: Any, argname: str) -> "InputReplicationMode":
+        """The member for a member or its (case-insensitive) name."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            return cls[value.upper()]
+        raise ValueError(f"{argname} must be a cr.InputReplicationMode ({', '.join(cls.__members__)}) or its name; "
+                         f"got {summarize(value)}")
+
+    def __str__(self) -> str:
+        return f"cr.InputReplicationMode.{self.name}"
 
 
 class InputContext:
@@ -504,6 +535,97 @@ def _check_pipeline_sampler(ctx: InputContext, source: Any) -> None:
         f"its batches in turn), so the pipelines together would not read the dataset once per epoch. Build the "
         f"sampler from the context: DistributedSampler(dataset, num_replicas=ctx.num_input_pipelines, "
         f"rank=ctx.input_pipeline_id)")
+
+
+class InputFunctionIterator:
+    """TF 1.x's iterator of ``make_input_fn_iterator``: per step, the local replicas' parts
+    of a distributed dataset (PerReplica leaves, as iterating the dataset gives them).
+
+    ``get_next()`` is ``next(iterator)`` (StopIteration at the end, where TF raised
+    OutOfRangeError); ``initialize()`` starts a new pass over the dataset and returns
+    ``[]`` (TF 1.x returned the initializer ops to run: there are none here).
+    """
+
+    def __init__(self, dataset: DistributedDataset):
+        self._dataset = dataset
+        self._iterator: Iterator[Any] = iter(dataset)
+
+    def __iter__(self) -> "InputFunctionIterator":
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._iterator)
+
+    def get_next(self) -> Any:
+        """The next step's per-replica inputs."""
+        return next(self._iterator)
+
+    def initialize(self) -> list[Any]:
+        """Starts a new pass over the dataset; ``[]``: no initializer ops to run."""
+        self._iterator = iter(self._dataset)
+        return []
+
+    def __repr__(self) -> str:
+        return f"InputFunctionIterator({self._dataset!r})"
+
+
+class NumpyDataset(Dataset):
+    """The rows of NumPy arrays (or tensors, or a nest of them), TF's
+    ``experimental_make_numpy_dataset``: item ``i`` is the nest with row ``i`` of every
+    array, as tensors on the CPU. A list of arrays is stacked into one array, as
+    ``tf.data.Dataset.from_tensor_slices`` does; a tuple or dict is a nest. Batch it with
+    a ``DataLoader`` and pass that to ``strategy.distribute_dataset``.
+
+    Raises:
+        ValueError: a leaf that is not an array, tensor or number list, a 0-d leaf, or
+            leaves with different numbers of rows.
+    """
+
+    def __init__(self, numpy_input: Any):
+        leaves, self._spec = nest.flatten(numpy_input, is_leaf=lambda x: isinstance(x, list))
+        if not leaves:
+            raise ValueError(f"numpy_input must hold at least one array; got {summarize(numpy_input)}")
+        self._tensors = [_as_rows(leaf, p) for p, leaf in enumerate(leaves)]
+        rows = {t.shape[0] for t in self._tensors}
+        if len(rows) != 1:
+            raise ValueError(f"every array of numpy_input must have the same number of rows (its first dimension); "
+                             f"got {[t.shape[0] for t in self._tensors]} rows")
+        self._rows = rows.pop()
+
+    def __len__(self) -> int:
+        return self._rows
+
+    def __getitem__(self, index: int) -> Any:
+        return nest.unflatten(self._spec, [t[index] for t in self._tensors])
+
+    def __repr__(self) -> str:
+        return f"NumpyDataset(rows={self._rows}, shapes={[list(t.shape) for t in self._tensors]})"
+
+
+def _as_rows(leaf: Any, position: int) -> torch.Tensor:
+    """A leaf of a numpy input as a CPU tensor with at least one dimension (its rows)."""
+    try:
+        value = _stacked(leaf)
+        t = value.detach().cpu() if isinstance(value, torch.Tensor) else torch.tensor(value)  # a copy, as TF's
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"numpy_input leaf {position} must be a NumPy array, a tensor or a list of equal-shape "
+                         f"arrays or numbers; got {summarize(leaf)} ({e})") from None
+    if t.dim() == 0:
+        raise ValueError(f"numpy_input leaf {position} is a scalar ({summarize(leaf)}); a dataset's arrays need a "
+                         f"first dimension of rows")
+    return t
+
+
+def _stacked(leaf: Any) -> Any:
+    """A list of NumPy arrays or of tensors as one stacked array (tf.data's rule); anything
+    else as it is."""
+    if isinstance(leaf, list) and leaf and all(isinstance(x, torch.Tensor) for x in leaf):
+        return torch.stack([x.detach().cpu() for x in leaf])
+    if isinstance(leaf, list) and leaf and all(type(x).__module__ == "numpy" for x in leaf):
+        import numpy
+
+        return numpy.stack(leaf)
+    return leaf
 
 
 def distribute_values_from_function(strategy: "Strategy", value_fn: Callable[[ValueContext], Any]) -> Any:

@@ -35,6 +35,17 @@ class ReduceOp(enum.Enum):
             if member is not None:
                 return member
         valid = ", ".join(m.name for m in cls)
+        converted = getattr(op, "_cr_reduce_op", _NOT_AGGREGATION)
+        if converted is not _NOT_AGGREGATION:
+            # A cr.VariableAggregation (a layer above), as TF 1.x passed it to reduce and
+            # batch_reduce: TF's ReduceOp.from_variable_aggregation maps SUM and MEAN only.
+            if isinstance(converted, ReduceOp):
+                return converted
+            raise ValueError(
+                f"{argname}=cr.{op} has no cr.ReduceOp: a cr.VariableAggregation reduces only as SUM or MEAN (TF's "
+                f"ReduceOp.from_variable_aggregation); pass one of {valid}, or VariableAggregation.SUM or MEAN "
+                f"(ONLY_FIRST_REPLICA, replica 0's value, is taken by strategy.reduce and extended.reduce_to / "
+                f"batch_reduce_to only)")
         raise ValueError(
             f"{argname} must be a cr.ReduceOp or one of {valid} (any case); got {summarize(op)}")
 
@@ -42,6 +53,7 @@ class ReduceOp(enum.Enum):
         return self.name.lower()
 
 
+_NOT_AGGREGATION = object()
 _BY_NAME = {name: ReduceOp[name] for name in ReduceOp.__members__}
 _BY_NAME.update({name.lower(): op for name, op in _BY_NAME.items()})
 
@@ -57,17 +69,34 @@ def check_dtype(op: ReduceOp, dtype: torch.dtype, argname: str = "x") -> None:
             f"{argname} has dtype {dtype}, but op={op} is not defined for complex tensors")
 
 
-def reduce_non_distributed_value(op: ReduceOp, value: Any, num_replicas: int) -> Any:
-    """The reduction of a value that is the same object on every replica.
+def reduce_non_distributed_value(op: ReduceOp, value: Any, num_replicas: int, hint: str = "") -> Any:
+    """The reduction of a value that is the same object on every replica (tf.distribute's
+    ``reduce_non_distributed_value``).
 
-    MEAN of identical values is the value; any other op is only defined when a
-    single replica holds it (tf.distribute's reduce_non_distributed_value).
+    MEAN, MAX and MIN of identical values are the value; a zero (TF's ``0``: a Python
+    zero, or a tensor whose elements are all zero) is its own SUM and PROD too, so any
+    op returns it; SUM or PROD of another value is only defined when a single replica
+    holds it, and is a ValueError over several (``hint`` ends its message).
     """
-    if op is ReduceOp.MEAN or op is ReduceOp.MAX or op is ReduceOp.MIN or num_replicas == 1:
+    if op is ReduceOp.MEAN or op is ReduceOp.MAX or op is ReduceOp.MIN or num_replicas == 1 or _is_zero(value):
         return value
     raise ValueError(
         f"a non-distributed value {summarize(value)} cannot be reduced with op={op} over {num_replicas} "
-        f"replicas; pass a cr.PerReplica (one value per replica), or use op='mean'")
+        f"replicas; pass a cr.PerReplica (one value per replica), or use op='mean'{hint}")
+
+
+def _is_zero(value: Any) -> bool:
+    """Whether every element of ``value`` (a number or a tensor) is zero (an empty tensor too)."""
+    if isinstance(value, torch.Tensor):
+        if value.layout is torch.sparse_coo:
+            value = value.coalesce().values()
+        elif value.layout is not torch.strided:
+            return False
+        try:
+            return not bool(value.any())
+        except (RuntimeError, NotImplementedError):  # no data to read (a meta tensor)
+            return False
+    return isinstance(value, (int, float, complex)) and value == 0
 
 
 # --------------------------------------------------------------------------- wire dtypes

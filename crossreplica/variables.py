@@ -79,6 +79,13 @@ class VariableAggregation(_Named):
     MEAN = 2
     ONLY_FIRST_REPLICA = 3
 
+    @property
+    def _cr_reduce_op(self) -> ReduceOp | None:
+        """The ReduceOp this aggregation reduces with (SUM, MEAN), None for the others: what
+        ``cr.ReduceOp.from_any`` (a layer below) reads, so every API that takes an op takes
+        SUM and MEAN as TF 1.x's reduce and batch_reduce took them."""
+        return _OPS.get(self)
+
 
 _OPS = {VariableAggregation.SUM: ReduceOp.SUM, VariableAggregation.MEAN: ReduceOp.MEAN}
 _KINDS = ("assign", "assign_add", "assign_sub")

@@ -20,6 +20,7 @@ instead of about 85).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -196,16 +197,38 @@ def _all_reduce_with_sparse(rctx: ReplicaContext | None, op: ReduceOp, groups: G
     return outs
 
 
-def cross_replica_sum(x: Nest, group_assignment: GroupAssignment = None, *, mesh: Mesh | None = None,
-                      axes: Axes = None) -> Nest:
-    """Sums ``x`` over each group of replicas (TPU ``cross_replica_sum``)."""
-    return all_reduce(x, ReduceOp.SUM, group_assignment, mesh=mesh, axes=axes)
+def cross_replica_sum(x: Nest, group_assignment: GroupAssignment = None, name: str | None = None, *,
+                      mesh: Mesh | None = None, axes: Axes = None) -> Nest:
+    """Sums ``x`` over each group of replicas (TPU ``cross_replica_sum(x, group_assignment=None,
+    name=None)``, TF's positional order). ``name`` labels the call in a torch profiler trace
+    (:func:`_named`); the sum does not depend on it."""
+    with _named("cr.cross_replica_sum", name, group_assignment):
+        return all_reduce(x, ReduceOp.SUM, group_assignment, mesh=mesh, axes=axes)
 
 
-def cross_replica_mean(x: Nest, group_assignment: GroupAssignment = None, *, mesh: Mesh | None = None,
-                       axes: Axes = None) -> Nest:
-    """Averages ``x`` over each group; MEAN divides by the group's size."""
-    return all_reduce(x, ReduceOp.MEAN, group_assignment, mesh=mesh, axes=axes)
+def cross_replica_mean(x: Nest, group_assignment: GroupAssignment = None, name: str | None = None, *,
+                       mesh: Mesh | None = None, axes: Axes = None) -> Nest:
+    """Averages ``x`` over each group; MEAN divides by the group's size. ``name`` as for
+    :func:`cross_replica_sum`."""
+    with _named("cr.cross_replica_mean", name, group_assignment):
+        return all_reduce(x, ReduceOp.MEAN, group_assignment, mesh=mesh, axes=axes)
+
+
+def _named(api: str, name: Any, group_assignment: Any = None) -> contextlib.AbstractContextManager[Any]:
+    """TF's ``name`` of a TPU op: a str or None; the call runs inside a profiler range of that
+    name (``torch.profiler.record_function``; none while torch.compile traces). A str in the
+    group_assignment position is a TF name put where TF puts the group: a ValueError."""
+    if isinstance(group_assignment, str):
+        raise ValueError(
+            f"{api}: group_assignment={group_assignment!r} is a str, which looks like TF's op name; TF's order is "
+            f"(x, group_assignment=None, name=None), as here: pass it as name={group_assignment!r}")
+    if name is None:
+        return contextlib.nullcontext()
+    if not isinstance(name, str):
+        raise TypeError(f"{api}: name must be a str (TF's op name) or None; got {summarize(name)}")
+    if _is_compiling():
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(name)
 
 
 def cross_replica_average(x: Nest, *args: int | None, num_shards: int | None = None,
@@ -309,18 +332,22 @@ def all_gather(x: Nest, dim: int = 0, group_assignment: GroupAssignment = None, 
     return leaves.repack(autodiff.gather(run, groups, tuple(dims), tensors, device))
 
 
-def all_to_all(x: Nest, split_dim: int | None = None, concat_dim: int | None = None,
-               group_assignment: GroupAssignment = None, *,
+def all_to_all(x: Nest, split_dim: int | None = None, concat_dim: int | None = None, *args: Any,
+               group_assignment: GroupAssignment = None,
                input_split_sizes: Sequence[int] | None = None, output_split_sizes: Sequence[int] | None = None,
                mesh: Mesh | None = None, axes: Axes = None, split_dimension: int | None = None,
-               concat_dimension: int | None = None, split_count: int | None = None) -> Any:
+               concat_dimension: int | None = None, split_count: int | None = None,
+               name: str | None = None) -> Any:
     """Splits ``x`` along ``split_dim``, sends chunk ``j`` to the member at position ``j``,
     and concatenates what arrives along ``concat_dim``, in group order.
 
-    TF's keywords (``tpu_ops.all_to_all``) work too: ``split_dimension``,
-    ``concat_dimension`` and ``split_count``, which must equal the group size.
-    (TF's positional order is ``(x, concat_dimension, split_dimension, ...)``, the
-    reverse of this one: pass TF's by keyword.)
+    Positionally ``all_to_all(x, split_dim, concat_dim, group_assignment)``. TF's
+    ``tpu_ops.all_to_all(x, concat_dimension, split_dimension, split_count,
+    group_assignment=None, name=None)`` works too: by keyword, or positionally, told
+    apart by the int ``split_count`` in the fourth place (where crossreplica's order has
+    a group assignment, never an int), so ``all_to_all(x, 1, 0, 4)`` concatenates
+    along 1 and splits along 0. ``split_count`` must equal the group size. ``name``
+    (TF's) labels the call in a profiler trace.
 
     Chunks are equal (``x.shape[split_dim] // group_size``) unless split sizes are
     given, as torch's ``all_to_all_single``: ``input_split_sizes[j]`` rows go to
@@ -329,6 +356,57 @@ def all_to_all(x: Nest, split_dim: int | None = None, concat_dim: int | None = N
     of this replica's ``x``). Uneven sizes need ``split_dim == concat_dim``.
     """
     api = "cr.all_to_all"
+    if args:
+        if _int_or_none(args[0]) is not None:  # TF's positional order
+            tf = _tf_all_to_all_positional(api, split_dim, concat_dim, args, split_dimension, concat_dimension,
+                                           split_count)
+            split_dim = concat_dim = None
+            concat_dimension, split_dimension, split_count = tf[0], tf[1], tf[2]
+            group_assignment = _positional(api, "group_assignment", args, 1, group_assignment)
+            name = _positional(api, "name", args, 2, name)
+        else:
+            if len(args) > 1:
+                raise TypeError(
+                    f"{api} takes x, split_dim, concat_dim and group_assignment positionally (or TF's order, "
+                    f"x, concat_dimension, split_dimension, split_count, group_assignment, name, with an int "
+                    f"split_count fourth); got {len(args) + 3} positional arguments")
+            group_assignment = _positional(api, "group_assignment", args, 0, group_assignment)
+    with _named(api, name):
+        return _all_to_all(api, x, split_dim, concat_dim, group_assignment, input_split_sizes, output_split_sizes,
+                           mesh, axes, split_dimension, concat_dimension, split_count)
+
+
+def _tf_all_to_all_positional(api: str, first: Any, second: Any, args: tuple, split_dimension: Any,
+                              concat_dimension: Any, split_count: Any) -> tuple[Any, Any, Any]:
+    """``(concat_dimension, split_dimension, split_count)`` of TF's positional call
+    ``all_to_all(x, first, second, args[0], ...)``; TF's keywords as well are a TypeError."""
+    if len(args) > 3:
+        raise TypeError(f"{api} in TF's positional order takes at most x, concat_dimension, split_dimension, "
+                        f"split_count, group_assignment and name; got {len(args) + 3} positional arguments")
+    given = [k for k, v in (("split_dimension", split_dimension), ("concat_dimension", concat_dimension),
+                            ("split_count", split_count)) if v is not None]
+    if given:
+        raise TypeError(
+            f"{api}(x, {summarize(first)}, {summarize(second)}, {summarize(args[0])}, ...) is TF's positional order "
+            f"(concat_dimension, split_dimension, split_count), which already gives {', '.join(given)}; pass them "
+            f"once, positionally or by keyword")
+    return first, second, args[0]
+
+
+def _positional(api: str, argname: str, args: tuple, index: int, keyword: Any) -> Any:
+    """``args[index]`` when there is one (and ``keyword`` is None), else ``keyword``."""
+    if len(args) <= index:
+        return keyword
+    if keyword is not None:
+        raise TypeError(f"{api} got {argname} twice: positionally ({summarize(args[index])}) and by keyword "
+                        f"({summarize(keyword)})")
+    return args[index]
+
+
+def _all_to_all(api: str, x: Nest, split_dim: Any, concat_dim: Any, group_assignment: GroupAssignment,
+                input_split_sizes: Sequence[int] | None, output_split_sizes: Sequence[int] | None,
+                mesh: Mesh | None, axes: Axes, split_dimension: Any, concat_dimension: Any,
+                split_count: Any) -> Any:
     split_dim = _one_spelling(api, "split_dim", split_dim, "split_dimension", split_dimension)
     concat_dim = _one_spelling(api, "concat_dim", concat_dim, "concat_dimension", concat_dimension)
     rctx = _context(api)
@@ -400,10 +478,13 @@ def broadcast(x: Nest, source: int = 0, group_assignment: GroupAssignment = None
     return leaves.repack(_execute(rctx, Kind.BROADCAST, groups, BroadcastParams(src), leaves.tensors))
 
 
-def collective_permute(x: Nest, source_target_pairs: Sequence[Sequence[int]] | None = None, *,
-                       mesh: Mesh | None = None, axis: Any = None, shift: int | None = None) -> Any:
+def collective_permute(x: Nest, source_target_pairs: Sequence[Sequence[int]] | None = None,
+                       name: str | None = None, *, mesh: Mesh | None = None, axis: Any = None,
+                       shift: int | None = None) -> Any:
     """Sends ``x`` from each source replica to its target; replicas that are no
     target receive zeros. Each replica is at most once a source and once a target.
+    (TPU ``collective_permute(x, source_target_pairs, name=None)``: ``name`` labels the
+    call in a profiler trace.)
 
     With ``mesh`` and ``axis`` (a mesh axis name, or several), the permutation
     acts within every group along that axis: ``source_target_pairs`` then name
@@ -412,6 +493,12 @@ def collective_permute(x: Nest, source_target_pairs: Sequence[Sequence[int]] | N
     ring): ``collective_permute(x, mesh=m, axis="model", shift=1)``.
     """
     api = "cr.collective_permute"
+    with _named(api, name):
+        return _collective_permute(api, x, source_target_pairs, mesh, axis, shift)
+
+
+def _collective_permute(api: str, x: Nest, source_target_pairs: Sequence[Sequence[int]] | None,
+                        mesh: Mesh | None, axis: Any, shift: int | None) -> Any:
     rctx = _context(api)
     n = rctx.num_replicas_in_sync if rctx is not None else _traced_num_replicas()
     if mesh is None:

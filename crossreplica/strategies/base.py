@@ -27,7 +27,7 @@ from ..nn import replace_torch_sync_batchnorm
 from ..reduce_op import (WIRE_DTYPES, ReduceOp, check_dtype, from_wire, mean_scale, reduce_non_distributed_value,
                          to_wire)
 from ..values import DistributedValues, Mirrored, regroup, select_replica
-from ..variables import Variable
+from ..variables import Variable, VariableAggregation
 from .buffers import check_policy
 from .extended import StrategyExtended
 from . import dist_guard, logical_devices
@@ -91,6 +91,11 @@ class Strategy:
     @property
     def num_replicas_in_sync(self) -> int:
         return self.extended.num_replicas_in_sync
+
+    @property
+    def steps_per_run(self) -> int:
+        """TPUStrategy's (deprecated there too): ``strategy.extended.steps_per_run``."""
+        return self.extended.steps_per_run
 
     # ------------------------------------------------------------ run
 
@@ -195,18 +200,46 @@ class Strategy:
         then divides by the total number of elements along ``axis`` on every
         replica, so uneven per-replica batches give the exact global mean. The
         reduction across replicas is the strategy's ``cross_device_ops``'.
+
+        A value that is not distributed is the same on every replica, as in TF's
+        ``reduce_non_distributed_value``: MEAN (MAX, MIN) gives it back, a zero is
+        its own reduction by any op (``strategy.reduce("sum", 0)`` is 0), and SUM
+        or PROD of another value over several replicas is a ValueError.
+        ``reduce_op`` may be a ``cr.VariableAggregation``, as TF 1.x's ``reduce``
+        took: SUM and MEAN reduce; ONLY_FIRST_REPLICA gives replica 0's value
+        (across workers global replica 0's; no ``axis``).
         """
         self._require_cross_replica("reduce")
         self._check_distributed(("value", value))
-        op = ReduceOp.from_any(reduce_op, "reduce_op")
         if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int)):
-            raise TypeError(f"axis must be an int or None; got {summarize(axis)}")
+            hint = (" (TF 1.x's reduce(aggregation, value, destinations) is "
+                    "strategy.extended.reduce_to(op, value, destinations))" if not isinstance(axis, float) else "")
+            raise TypeError(f"axis must be an int or None; got {summarize(axis)}{hint}")
+        if reduce_op is VariableAggregation.ONLY_FIRST_REPLICA:
+            if axis is not None:
+                raise ValueError(f"reduce_op=cr.VariableAggregation.ONLY_FIRST_REPLICA takes replica 0's value as it "
+                                 f"is; got axis={axis}: reduce it along the axis first (strategy.reduce('sum', "
+                                 f"value, axis={axis}) reduces every replica's)")
+            return nest.map_structure(self._first_replica, value)
+        op = ReduceOp.from_any(reduce_op, "reduce_op")
         return nest.map_structure(lambda v: self._reduce_one(op, v, axis), value)
+
+    def _first_replica(self, value: Any) -> Any:
+        """Replica 0's value of ``value`` (global replica 0's across workers); a value that
+        is not distributed is the same everywhere: itself, as a tensor."""
+        tensors = [v if isinstance(v, torch.Tensor) else torch.as_tensor(v)
+                   for v in self.experimental_local_results(value)]
+        if not isinstance(value, DistributedValues):
+            return tensors[0]
+        return self.extended.broadcast_values(tensors)
 
     def _reduce_one(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
         distributed = isinstance(value, DistributedValues)
         tensors = [v if isinstance(v, torch.Tensor) else torch.as_tensor(v)
                    for v in self.experimental_local_results(value)]
+        if not distributed and axis is None:
+            # The same value everywhere: no arithmetic, so no dtype rule (TF gives MEAN of 3 as 3).
+            return reduce_non_distributed_value(op, tensors[0], self.num_replicas_in_sync)
         for t in tensors:
             check_dtype(op, t.dtype, "value")
         if axis is not None and tensors[0].layout is not torch.strided:
@@ -227,8 +260,6 @@ class Strategy:
                 out = self._reduce_along(op, wide, axis, wide[0].dtype, distributed)
                 return from_wire(wop, out, dtype)
             return self._reduce_along(op, tensors, axis, None, distributed)
-        if not distributed:
-            return reduce_non_distributed_value(op, tensors[0], self.num_replicas_in_sync)
         return self.extended.cross_device_reduce(op, tensors)
 
     def _reduce_along(self, op: ReduceOp, tensors: list[torch.Tensor], axis: int,
@@ -339,20 +370,62 @@ class Strategy:
         rows each); the local replicas take whole elements in turn, as TF does."""
         return data.distribute_datasets_from_function(self, dataset_fn)
 
+    def make_input_fn_iterator(self, input_fn: Callable[[Any], Any],
+                               replication_mode: Any = data.InputReplicationMode.PER_WORKER) -> Any:
+        """TF 1.x's input loop: an iterator over ``distribute_datasets_from_function(input_fn)``
+        (``input_fn(cr.InputContext)`` once per worker, per-replica batches), with TF's
+        ``get_next()`` and ``initialize()`` (starts a new pass; returns ``[]``, no ops to run).
+        Feed it to ``experimental_run`` / ``experimental_run_steps`` /
+        ``extended.experimental_run_steps_on_iterator``.
+
+        Raises:
+            ValueError: ``replication_mode`` is not ``cr.InputReplicationMode.PER_WORKER``
+                (as TF, the only mode it supports), or a bad ``input_fn``.
+        """
+        mode = data.InputReplicationMode.from_any(replication_mode, "replication_mode")
+        if mode is not data.InputReplicationMode.PER_WORKER:
+            raise ValueError(
+                f"make_input_fn_iterator supports replication_mode=cr.InputReplicationMode.PER_WORKER only (as TF); "
+                f"got {mode}. For one value per replica use "
+                f"strategy.experimental_distribute_values_from_function(value_fn)")
+        return data.InputFunctionIterator(self.distribute_datasets_from_function(input_fn))
+
+    def experimental_make_numpy_dataset(self, numpy_input: Any, session: Any = None) -> Any:
+        """TF's: a dataset of the rows of ``numpy_input`` (a NumPy array, a tensor, or a nest of
+        them; a list of arrays is stacked into one, as tf.data does), kept on the CPU. As
+        in TF, batch it and distribute it: ``strategy.distribute_dataset(DataLoader(ds,
+        batch_size=global_batch))``. ``session`` (TF 1.x graphs) must be None."""
+        if session is not None:
+            raise ValueError(f"session has no crossreplica counterpart (TF 1.x graph sessions); pass None, got "
+                             f"{summarize(session)}")
+        return data.NumpyDataset(numpy_input)
+
+    def experimental_run(self, fn: Callable[..., Any], input_iterator: Any = None) -> Any:
+        """TF 1.x's: ``run(fn, args=(next(input_iterator),))``, or ``run(fn)`` without an iterator
+        (``input_iterator``: e.g. ``make_input_fn_iterator``'s, or ``iter(distributed_dataset)``)."""
+        if input_iterator is None:
+            return self.run(fn)
+        if not hasattr(input_iterator, "__next__"):
+            hint = " (pass iter(dataset))" if hasattr(input_iterator, "__iter__") else ""
+            raise ValueError(f"input_iterator must be an iterator over a distributed dataset{hint} or None; got "
+                             f"{summarize(input_iterator)}")
+        return self.run(fn, args=(next(input_iterator),))
+
     def experimental_distribute_values_from_function(self, value_fn: Callable[[Any], Any]) -> Any:
         """Calls ``value_fn(cr.ValueContext)`` once per local replica and returns the values
         as PerReplica leaves (tensors moved to each replica's device)."""
         self._require_cross_replica("experimental_distribute_values_from_function")
         return data.distribute_values_from_function(self, value_fn)
 
-    def experimental_run_steps(self, fn: Callable[[Any], Any], iterator: Any, steps: int) -> Any:
+    def experimental_run_steps(self, fn: Callable[[Any], Any], iterator: Any, steps: int | None = None) -> Any:
         """Runs the replica function ``fn(element)`` on ``steps`` consecutive elements of
         ``iterator`` (an iterator over a distributed dataset) in one dispatch: each
         replica loops over its parts without returning between steps. Returns the
         last step's outputs, as ``run`` would; fewer steps when the iterator runs out,
         ``StopIteration`` when it already has. Each step draws random numbers as its
-        own ``run`` would (one random base per step), so dropout trains the same."""
-        return run_steps(self, fn, iterator, steps)
+        own ``run`` would (one random base per step), so dropout trains the same.
+        ``steps=None`` takes ``steps_per_run`` steps (TPUStrategy's, default 1)."""
+        return run_steps(self, fn, iterator, self.extended.steps_per_run if steps is None else steps)
 
     # ------------------------------------------------------------ logical devices
 
@@ -394,15 +467,26 @@ class Strategy:
         """``distribute_dataset`` under TF's name: each global batch split along dim 0, one
         part per replica. ``options`` (TF's ``tf.distribute.InputOptions``) has no
         counterpart here: only None is accepted."""
-        if options is not None:
-            raise ValueError(
-                f"options has no crossreplica counterpart (TF's tf.distribute.InputOptions); pass None, "
-                f"got {summarize(options)}")
+        _check_no_input_options(options)
         return self.distribute_dataset(dataset)
+
+    def experimental_distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Any],
+                                                       options: Any = None) -> Any:
+        """``distribute_datasets_from_function`` under its TF 2.1-2.3 name. ``options`` (TF's
+        ``tf.distribute.InputOptions``) has no counterpart here: only None is accepted."""
+        _check_no_input_options(options)
+        return self.distribute_datasets_from_function(dataset_fn)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync}, "
                 f"devices={[str(d) for d in self.extended.worker_devices]})")
+
+
+def _check_no_input_options(options: Any) -> None:
+    if options is not None:
+        raise ValueError(
+            f"options has no crossreplica counterpart (TF's tf.distribute.InputOptions); pass None, "
+            f"got {summarize(options)}")
 
 
 def _with_replica_sync_batchnorm(obj: Any) -> Any:

@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from .. import collectives, context, torch_state
-from ..context import ReplicaContext
+from ..arguments import check_int
+from ..context import ReplicaContext, options_or_hints
 from ..cross_device_ops import AllReduceCrossDeviceOps, CommunicationOptions, CrossDeviceOps, as_mirrored
 from ..engines.base import MERGE_CALL, Engine, check_agreement
 from ..engines.reduction import reduce_into
@@ -30,11 +31,13 @@ from ..micro_batches import LayoutInvariant, PendingGradients, replica_share
 from ..random_streams import draw_base, replica_stream, suspended
 from ..reduce_op import ReduceOp, from_wire, mean_scale, to_wire
 from ..values import (
+    DistributedValues,
     Mirrored,
     PerReplica,
     regroup,
     select_replica,
 )
+from ..variables import VariableAggregation
 from .buffers import MirroredBuffers
 from . import logical_devices, updates
 from .logical_devices import LogicalDevices
@@ -83,6 +86,7 @@ class StrategyExtended:
         self.layout_invariant: LayoutInvariant | None = None
         self._pending: list[PendingGradients] = []
         self._micro_runs = 0
+        self._steps_per_run = 1
         self._threads = ReplicaThreads(n, type(container).__name__) if n > 1 else None
         if self._threads is not None:
             # Not at interpreter exit: waking daemon threads while the interpreter
@@ -110,6 +114,18 @@ class StrategyExtended:
     @property
     def timeout(self) -> float:
         return getattr(self.engine, "timeout", 300.0)
+
+    @property
+    def steps_per_run(self) -> int:
+        """TPUStrategy's steps per dispatch (default 1): how many steps
+        ``strategy.experimental_run_steps`` and ``experimental_run_steps_on_iterator``
+        take when given no count. Settable, or ``MirroredStrategy(steps_per_run=k)``."""
+        return self._steps_per_run
+
+    @steps_per_run.setter
+    def steps_per_run(self, value: int | None) -> None:
+        self._steps_per_run = 1 if value is None else check_int(value, "steps_per_run", low=1,
+                                                                 hint=" (or None: 1)")
 
     # ------------------------------------------------------------ workers
 
@@ -205,16 +221,26 @@ class StrategyExtended:
         """The logical device made current by ``experimental_logical_device`` in this thread (0 outside)."""
         return logical_devices.current_id()
 
-    def experimental_logical_device(self, logical_device_id: int) -> contextlib.AbstractContextManager[torch.device]:
-        """Inside a replica function: makes logical device ``logical_device_id`` of this
-        replica the default device (for new tensors, and the current CUDA device) in the block.
+    def experimental_logical_device(self, logical_device_id: int) -> contextlib.AbstractContextManager[Any]:
+        """Makes logical device ``logical_device_id`` current in the block, as TF's TPUStrategy.
+
+        Inside a replica function of this strategy, the replica's logical device
+        ``logical_device_id`` becomes the default device (for new tensors, and the current
+        CUDA device); the block yields it. In cross-replica context (under ``scope()``,
+        outside any scope, in ``merge_fn``) no default device is set; the block yields the
+        local replicas' logical devices ``logical_device_id``. Either way
+        ``worker_devices`` is that logical device of every local replica, so a
+        ``cr.Variable`` created (or a module mirrored) in the block has its copies there.
 
         Raises:
             ValueError: ``logical_device_id`` is not in ``[0, logical_devices_per_replica)``.
-            ReplicaContextError: called outside a replica function.
+            ReplicaContextError: called in a replica function of another strategy.
         """
-        device = self.logical_device(logical_device_id)
-        return logical_devices.made_current(self, int(logical_device_id), device)
+        j = self._logical.check_id(logical_device_id)
+        if context.current_replica_context() is None:
+            return logical_devices.made_current(self, j, None, self._logical.column(j))
+        device = self.logical_device(j)
+        return logical_devices.made_current(self, j, device, device)
 
     @property
     def parameter_devices(self) -> tuple[torch.device, ...]:
@@ -329,7 +355,8 @@ class StrategyExtended:
 
         if self._threads is None:
             try:
-                results = [body(0)]
+                with logical_devices.suspended():  # the caller's block is not the replica's
+                    results = [body(0)]
             except Exception as e:
                 engine.abort(ids[0], e)
                 raise_first_failure([(0, e)], ids)
@@ -474,25 +501,59 @@ class StrategyExtended:
                 f"cr.all_reduce / cr.broadcast")
 
     def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any,
-                  options: Any = None) -> Any:
+                  options: Any = None, *, experimental_hints: Any = None) -> Any:
         """Reduces ``value`` (a DistributedValues or a tensor) onto ``destinations``.
 
         Returns a Mirrored with one copy per destination device. A value that is
         not distributed is the same on every replica (reduce_non_distributed_value).
+        ``reduce_op`` may be a ``cr.VariableAggregation``, as TF 1.x's ``reduce`` took:
+        SUM and MEAN reduce, ONLY_FIRST_REPLICA is replica 0's value (across workers
+        global replica 0's). ``experimental_hints`` is TF 2.2/2.3's name for ``options``.
         """
         self._require_cross_replica("reduce_to")
-        options = self.resolve_options(options)
+        options = self.resolve_options(options_or_hints(options, experimental_hints, "extended.reduce_to"))
         with self._container.scope(), self._reducing(options):
+            if reduce_op is VariableAggregation.ONLY_FIRST_REPLICA:
+                return self._first_replica_to(value, destinations, "value")
             return self._cross_device_ops.reduce(reduce_op, value, destinations, options, reducer=self)
 
     def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[Any],
-                        options: Any = None) -> list[Any]:
-        """Reduces each ``(value, destinations)`` pair; small tensors travel packed."""
+                        options: Any = None, *, experimental_hints: Any = None) -> list[Any]:
+        """Reduces each ``(value, destinations)`` pair; small tensors travel packed.
+        ``reduce_op`` and ``experimental_hints`` as for :meth:`reduce_to`."""
         self._require_cross_replica("batch_reduce_to")
-        options = self.resolve_options(options)
+        options = self.resolve_options(options_or_hints(options, experimental_hints, "extended.batch_reduce_to"))
         with self._container.scope(), self._reducing(options):
+            if reduce_op is VariableAggregation.ONLY_FIRST_REPLICA:
+                return self._first_replica_pairs(value_destination_pairs)
             return self._cross_device_ops.batch_reduce(reduce_op, value_destination_pairs, options,
                                                        reducer=self)
+
+    def _first_replica_pairs(self, pairs: Any) -> list[Any]:
+        """``_first_replica_to`` of each ``(value, destinations)`` pair."""
+        if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence):
+            raise ValueError(f"value_destination_pairs must be a list of (value, destinations) tuples; got "
+                             f"{summarize(pairs)}")
+        out = []
+        for i, pair in enumerate(pairs):
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise ValueError(f"value_destination_pairs[{i}] must be a (value, destinations) tuple; got "
+                                 f"{summarize(pair)}")
+            out.append(self._first_replica_to(pair[0], pair[1], f"value_destination_pairs[{i}][0]"))
+        return out
+
+    def _first_replica_to(self, value: Any, destinations: Any, argname: str) -> Any:
+        """TF 1.x's ONLY_FIRST_REPLICA reduction: replica 0's value (global replica 0's across
+        workers) copied onto ``destinations``; a value that is not distributed is itself."""
+        if isinstance(value, DistributedValues):
+            tensors = [v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for v in value.values]
+            if len(tensors) != len(self.worker_devices):
+                raise ValueError(f"{argname} holds {len(tensors)} values, but the strategy has "
+                                 f"{len(self.worker_devices)} local replicas; pass one value per replica")
+            value = self.broadcast_values(tensors)
+        elif not isinstance(value, torch.Tensor):
+            value = torch.as_tensor(value)
+        return self._cross_device_ops.broadcast(value, destinations)
 
     def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
         """``tensor`` copied to every device of ``destinations`` (a Mirrored, one distinct copy
@@ -542,9 +603,12 @@ class StrategyExtended:
     # ------------------------------------------------------------ multi-step loops
 
     def experimental_run_steps_on_iterator(self, fn: Callable[[MultiStepContext, Any], Any], iterator: Any,
-                                           iterations: int, initial_loop_values: dict[str, Any] | None = None
+                                           iterations: int | None = None,
+                                           initial_loop_values: dict[str, Any] | None = None
                                            ) -> MultiStepContext:
         """Runs ``fn(ctx, inputs)`` in cross-replica context on ``iterations`` elements of
-        ``iterator``, as TF does; ``ctx`` (a cr.MultiStepContext, returned) holds what
-        ``fn`` set with ``ctx.set_last_step_output`` / ``ctx.set_non_tensor_output``."""
-        return run_steps_on_iterator(self._container, fn, iterator, iterations, initial_loop_values)
+        ``iterator`` (None: :attr:`steps_per_run`, as TPUStrategy's estimator loop passes it),
+        as TF does; ``ctx`` (a cr.MultiStepContext, returned) holds what ``fn`` set with
+        ``ctx.set_last_step_output`` / ``ctx.set_non_tensor_output``."""
+        steps = self.steps_per_run if iterations is None else iterations
+        return run_steps_on_iterator(self._container, fn, iterator, steps, initial_loop_values)

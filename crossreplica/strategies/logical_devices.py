@@ -7,9 +7,12 @@ Logical device 0 is the replica's own device (where ``run`` executes it and
 where collectives meet); collectives still address replicas, never logical
 devices. Inside a replica function:
 
-* ``with strategy.extended.experimental_logical_device(j):`` makes logical
-  device ``j`` the default device for new tensors (``torch.device`` as a
-  context; on CUDA also the current device);
+* ``with strategy.extended.experimental_logical_device(j):`` (or
+  ``cr.get_replica_context().experimental_logical_device(j)``, TF's TPU replica
+  context's spelling) makes logical device ``j`` the default device for new
+  tensors (``torch.device`` as a context; on CUDA also the current device), and
+  ``extended.worker_devices`` logical device ``j`` of every replica, so a
+  ``cr.Variable`` created there has its copies on it;
 * ``strategy.experimental_assign_to_logical_device(t, j)``: ``t`` on logical
   device ``j``;
 * ``strategy.experimental_split_to_logical_devices(t, partition_dimensions)``:
@@ -19,6 +22,14 @@ devices. Inside a replica function:
   :func:`join_logical_tiles` puts them back together;
 * ``strategy.experimental_replicate_to_logical_devices(t)``: one copy of ``t``
   per logical device.
+
+In cross-replica context (under ``strategy.scope()``, outside any scope, in a
+``merge_fn``) the same block places what is created for every replica, as TF's
+does: ``extended.worker_devices`` is logical device ``j`` of every local
+replica, so ``cr.Variable`` and ``strategy.mirror`` put their copies there; no
+default device is set (each replica's device ``j`` may differ), and the block
+yields those devices. A replica function starts on logical device 0 whatever
+block its caller is in.
 
 TF annotates one tensor for its SPMD compiler; eager PyTorch has no such pass,
 so the split and replicate calls return the pieces themselves, each on its
@@ -40,7 +51,7 @@ import torch
 from ..arguments import check_int
 from ..errors import summarize
 
-__all__ = ["LogicalDevices", "assign", "join_logical_tiles", "replicate", "split"]
+__all__ = ["LogicalDevices", "assign", "join_logical_tiles", "replicate", "split", "made_current", "suspended"]
 
 
 class LogicalDevices:
@@ -112,20 +123,37 @@ def current_id(owner: object | None = None) -> int:
 
 
 @contextlib.contextmanager
-def made_current(owner: object, logical_device_id: int, device: torch.device) -> Iterator[torch.device]:
-    """``device`` (``owner``'s logical device ``logical_device_id``) as the default device
-    for new tensors, and the current CUDA device, in the block of this thread."""
+def made_current(owner: object, logical_device_id: int, device: torch.device | None, result: Any) -> Iterator[Any]:
+    """``owner``'s logical device ``logical_device_id`` current in the block of this thread,
+    which yields ``result``; ``device`` (a replica's: that logical device) also the default
+    device for new tensors and the current CUDA device, None in cross-replica context."""
     _current.ids.append(logical_device_id)
     _current.owners.append(owner)
     try:
         with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.device(device))
-            if device.type == "cuda":
-                stack.enter_context(torch.cuda.device(device))
-            yield device
+            if device is not None:
+                stack.enter_context(torch.device(device))
+                if device.type == "cuda":
+                    stack.enter_context(torch.cuda.device(device))
+            yield result
     finally:
         _current.ids.pop()
         _current.owners.pop()
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """No logical device current in this thread inside the block (a replica function run
+    in its caller's thread starts on logical device 0, as one run in a thread of its own)."""
+    if not _current.ids:
+        yield
+        return
+    saved = _current.ids, _current.owners
+    _current.ids, _current.owners = [], []
+    try:
+        yield
+    finally:
+        _current.ids, _current.owners = saved
 
 
 def assign(tensor: torch.Tensor, device: torch.device, api: str) -> torch.Tensor:

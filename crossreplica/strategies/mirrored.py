@@ -44,12 +44,17 @@ class MirroredStrategy(Strategy):
             and runs on the first (see :mod:`crossreplica.strategies.logical_devices`).
         layout_invariant: a ``cr.LayoutInvariant(micro_batches=M)`` for training whose
             bits do not depend on the number of replicas (docs/layout_invariance.md).
+        steps_per_run: TPUStrategy's steps per dispatch (None: 1), ``extended.steps_per_run``:
+            what ``experimental_run_steps`` takes when given no count.
     """
 
     def __init__(self, num_replicas: int | None = None, devices: Sequence[Any] | None = None,
                  cross_device_ops: Any = None, *, timeout_seconds: float | None = None,
-                 logical_devices_per_replica: int = 1, layout_invariant: LayoutInvariant | None = None):
+                 logical_devices_per_replica: int = 1, layout_invariant: LayoutInvariant | None = None,
+                 steps_per_run: int | None = None):
         k = check_int(logical_devices_per_replica, "logical_devices_per_replica", low=1)
+        if steps_per_run is not None:
+            check_int(steps_per_run, "steps_per_run", low=1, hint=" (or None: 1)")
         if num_replicas is not None:
             check_int(num_replicas, "num_replicas", low=1, hint=" or None")
         if devices is not None:
@@ -74,6 +79,7 @@ class MirroredStrategy(Strategy):
         self.extended = StrategyExtended(self, devs, ThreadsEngine(devs, timeout), cross_device_ops)
         self.extended.set_logical_devices(logical.groups)
         self.extended.layout_invariant = check_layout(layout_invariant, len(devs))
+        self.extended.steps_per_run = steps_per_run
         _log.info("MirroredStrategy: %d replicas (threads engine, one thread per replica) on %s, timeout %gs",
                   len(devs), [str(d) for d in devs], timeout)
         if k > 1:

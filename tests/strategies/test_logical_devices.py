@@ -84,9 +84,10 @@ def test_logical_device_scope_inside_a_replica():
         assert out["n"] == 2
         assert len(out["errors"]) == 4 and all("logical_device_id" in e for e in out["errors"])
     assert s.extended.current_logical_device_id == 0
-    with pytest.raises(ReplicaContextError, match="inside a replica function"):
-        with s.extended.experimental_logical_device(0):
-            pass
+    with s.extended.experimental_logical_device(1) as devices:  # cross-replica: where variables go (TF's)
+        assert devices == (CPU, CPU) and s.extended.current_logical_device_id == 1
+    with pytest.raises(ReplicaContextError, match="belongs to another strategy"):
+        cr.MirroredStrategy(2).run(lambda: s.extended.experimental_logical_device(0).__enter__())
 
 
 def _place(strategy, t, w):
