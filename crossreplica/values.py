@@ -16,6 +16,8 @@ from collections import abc
 from typing import Any
 from collections.abc import Callable, Sequence
 
+import torch
+
 from . import nest
 from .arguments import check_int
 from .errors import ReplicaContextError, summarize
@@ -54,7 +56,14 @@ class DistributedValues:
     """Base class: one value per local replica, in local replica order.
 
     Inside a replica function it acts as the running replica's value, as TF's do: calling
-    it, and reading or setting a public attribute, go to that value (:meth:`local_value`)."""
+    it, and reading or setting a public attribute, go to that value (:meth:`local_value`).
+
+    In cross-replica context there is no running replica, with one exception: values that
+    are all ``torch.nn.Module`` switch mode together. ``train(mode=True)`` and ``eval()``
+    set the mode of every local copy and return this value (as torch's return the module);
+    ``training`` reads the copies' common mode. These draw nothing from any random stream,
+    where ``strategy.run(lambda m: m.eval(), args=(model,))`` draws the run's base from the
+    caller's generator and so shifts every later dropout mask."""
 
     __slots__ = ("_values",)
 
@@ -96,6 +105,9 @@ class DistributedValues:
         # Only public names: the running replica's copy's (``model.parameters``, ``opt.step``).
         if name.startswith("_"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        if name in _MODE_NAMES and _local_index() is None and all(
+                isinstance(v, torch.nn.Module) for v in self._values):
+            return _every_copy(self, name)
         return getattr(self.local_value(), name)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -108,6 +120,32 @@ class DistributedValues:
     def __repr__(self) -> str:
         body = ", ".join(f"{i}: {v!r}" for i, v in enumerate(self._values))
         return f"{type(self).__name__}({{{body}}})"
+
+
+#: What a DistributedValues of modules does on every local copy in cross-replica context.
+_MODE_NAMES = frozenset({"train", "eval", "training"})
+
+
+def _every_copy(value: DistributedValues, name: str) -> Any:
+    """``train`` / ``eval`` applied to every module of ``value``, or their common ``training``."""
+    modules = value.values
+    if name == "training":
+        modes = [m.training for m in modules]
+        if any(mode != modes[0] for mode in modes):
+            raise LocalValueError(
+                f"the copies of this {type(value).__name__} of {type(modules[0]).__name__} are in different "
+                f"modes (training: {modes}), so it has no single mode; call value.train() or value.eval() in "
+                f"cross-replica context to set every copy")
+        return modes[0]
+
+    def switch(*args: Any, **kwargs: Any) -> DistributedValues:
+        for m in modules:
+            getattr(m, name)(*args, **kwargs)
+        return value
+
+    switch.__name__ = name
+    switch.__doc__ = f"``{name}`` on every local copy (torch.nn.Module.{name}); returns this value."
+    return switch
 
 
 class PerReplica(DistributedValues):

@@ -17,7 +17,10 @@ bitwise identical, gradients. torch gives the optimizer two moments for that:
 * ``opt.synchronize()`` before ``scaler.unscale_(opt)`` (which asks the
   optimizer nothing): the clipping recipe is ``synchronize``, ``unscale_``,
   clip, ``step``, ``update``. An ``unscale_`` that read unreduced gradients is
-  an error at ``scaler.step``, never a silent divergence.
+  an error at ``scaler.step``, never a silent divergence. Horovod's spelling,
+  ``with opt.skip_synchronize(): scaler.step(opt)``, is the same recipe; inside
+  that context a ``scaler.step`` with no ``synchronize()`` before it is an error
+  rather than a reduction made on the scaler's behalf.
 
 The designs not taken (reducing only inside ``step()``, or at the end of every
 backward): docs/optimizers.md, "Mixed precision".
@@ -49,8 +52,12 @@ def reduce_before_scaler(opt: Any) -> bool:
                 "torch.amp.GradScaler cannot be used in the layout-invariant mode: its scale would change "
                 "between micro-batches, so the loss scaling would depend on the layout; use bfloat16 "
                 "autocast without a scaler, or the default mode")
-        if rctx is None or opt._synchronized:
-            return True  # outside a replica, step() raises the usual ReplicaContextError
+        if rctx is None:
+            return True  # step() raises the usual ReplicaContextError
+        if opt._skipping:  # Horovod's `with opt.skip_synchronize(): scaler.step(opt)`: synchronize() came first
+            opt._check_skip(opt._sync_called)
+        if opt._synchronized:
+            return True
         groups = opt._groups(rctx.num_replicas_in_sync)
         if len(group_of(groups, rctx.replica_id_in_sync_group)) > 1:
             dense, sparse, _ = opt._collect()

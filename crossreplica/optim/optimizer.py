@@ -5,8 +5,9 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -39,6 +40,60 @@ __all__ = ["DEFAULT_BYTES_PER_PACK", "CrossShardOptimizer"]
 #: their own buffer in the same engine call (packing pays for small tensors).
 ALONE_BYTES = 256 * 1024
 
+
+class _BackwardPasses:
+    """Counts the backward passes since the last reduction, for ``backward_passes_per_step=k``
+    (nothing to count for k = 1). With overlapped buckets, a pass before the k-th runs under
+    their ``no_sync``, entered at its first gradient and left at its end."""
+
+    def __init__(self, params: list[torch.Tensor], per_step: int):
+        self.per_step = per_step
+        self.count = 0
+        self.overlapped: OverlappedReduction | None = None
+        self._in_backward = False
+        self._deferring: contextlib.AbstractContextManager[None] | None = None
+        if per_step > 1:
+            ref = weakref.ref(self)
+            handles = [p.register_post_accumulate_grad_hook(_count_pass(ref)) for p in params]
+            weakref.finalize(self, lambda: [h.remove() for h in handles])
+
+    def reset(self) -> None:
+        """A reduction (or zero_grad): counting starts again. Also ends a pass whose end never
+        came (a backward that raised skips its end-of-backward callback)."""
+        self.count = 0
+        self._end()
+
+    def on_grad(self) -> None:
+        if self._in_backward:
+            return
+        if self.count >= self.per_step:
+            raise RuntimeError(
+                f"backward pass {self.count + 1} since the last step(): this CrossShardOptimizer was built with "
+                f"backward_passes_per_step={self.per_step}, so step() (or synchronize()) comes after every "
+                f"{self.per_step} backward passes; call it, or raise backward_passes_per_step (as Horovod)")
+        self.count += 1
+        self._in_backward = True
+        tp.queue_autograd_callback(self._end)
+        if self.overlapped is not None and self.count < self.per_step:
+            self._deferring = self.overlapped.no_sync()
+            self._deferring.__enter__()
+
+    def _end(self) -> None:
+        self._in_backward = False
+        deferring, self._deferring = self._deferring, None
+        if deferring is not None:
+            deferring.__exit__(None, None, None)
+
+
+def _count_pass(ref: weakref.ref) -> Callable[[torch.Tensor], None]:
+    # A weak reference: a discarded optimizer's hooks do nothing.
+    def hook(p: torch.Tensor) -> None:
+        passes = ref()
+        if passes is not None:
+            passes.on_grad()
+    return hook
+
+
 class CrossShardOptimizer(torch.optim.Optimizer):
     """An optimizer that reduces gradients across replicas, then steps ``optimizer``.
 
@@ -69,18 +124,24 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         communication_options: a ``cr.CommunicationOptions``; a non-zero
             ``bytes_per_pack`` replaces the argument of that name; ``timeout_seconds``
             bounds each reduction (through the strategy's cross_device_ops, ``routing.py``).
+        backward_passes_per_step: Horovod's argument: ``step()`` comes after this many
+            backward passes, whose gradients accumulate locally and are reduced once.
+            With ``overlap=True`` every backward pass but the k-th since the last
+            reduction runs as under :meth:`no_sync`; without overlap nothing is reduced
+            before ``step()`` anyway. Either way a backward pass beyond the k-th before
+            ``step()``, ``synchronize()`` or ``zero_grad()`` is an error, as in Horovod.
 
     Raises:
         TypeError: ``optimizer`` is not a torch optimizer.
-        ValueError: ``reduction`` is not mean/sum, or ``bytes_per_pack`` is not
-            a positive int.
+        ValueError: ``reduction`` is not mean/sum, or ``bytes_per_pack`` or
+            ``backward_passes_per_step`` is not a positive int.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, reduction: ReduceOp | str = "mean",
                  name: str | None = None, group_assignment: Any = None,
                  bytes_per_pack: int = DEFAULT_BYTES_PER_PACK, *,
                  overlap: bool = False, shard_optimizer_state: bool = False,
-                 communication_options: CommunicationOptions | None = None):
+                 communication_options: CommunicationOptions | None = None, backward_passes_per_step: int = 1):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer (e.g. torch.optim.SGD(model.parameters(), "
@@ -98,6 +159,8 @@ class CrossShardOptimizer(torch.optim.Optimizer):
             if not isinstance(flag, bool):
                 raise TypeError(f"{flag_name} must be True or False; got {summarize(flag)}")
         check_int(bytes_per_pack, "bytes_per_pack", low=1, hint=" (bytes)")
+        check_int(backward_passes_per_step, "backward_passes_per_step", low=1,
+                  hint=" (the backward passes accumulated locally before each step())")
         self._optimizer = optimizer
         self._reduction = canonical_reduction(reduction)
         self.name = canonical_name(name)  # TF's name (None: "CrossShardOptimizer")
@@ -105,6 +168,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         self._bytes_per_pack = bytes_per_pack
         self._overlap = overlap
         self._communication_options = communication_options
+        self._backward_passes_per_step = int(backward_passes_per_step)
         self._sharded = ShardedUpdate(optimizer) if shard_optimizer_state else None
         self._groups_cache: tuple[int, Groups] | None = None
         self._pack_cache: tuple[tuple, PackedBuffers] | None = None
@@ -132,6 +196,11 @@ class CrossShardOptimizer(torch.optim.Optimizer):
     @property
     def bytes_per_pack(self) -> int:
         return self._bytes_per_pack
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        """The backward passes accumulated locally before each ``step()`` (Horovod's argument)."""
+        return self._backward_passes_per_step
 
     @property  # type: ignore[override]
     def param_groups(self) -> list[dict[str, Any]]:
@@ -196,6 +265,8 @@ class CrossShardOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients (and forgets an earlier :meth:`synchronize`)."""
         self._synchronized = False
+        self._sync_called = False
+        self._passes.reset()
         self._edits.forget()
         if self._overlapped is not None:
             self._overlapped.reset()
@@ -205,7 +276,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
     # hooks (often local functions), caches, the owning replica and an LR scheduler's
     # instance patch of ``step`` stay behind.
     _PICKLED = ("_optimizer", "_reduction", "name", "_group_assignment", "_bytes_per_pack", "_overlap", "_sharded",
-                "_communication_options")
+                "_communication_options", "_backward_passes_per_step")
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: self.__dict__[k] for k in self._PICKLED}
@@ -215,6 +286,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         state.setdefault("_sharded", None)
         state.setdefault("name", canonical_name(None))
         state.setdefault("_communication_options", None)
+        state.setdefault("_backward_passes_per_step", 1)
         self.__dict__.update(state)
         self._reset_runtime_state()
 
@@ -224,6 +296,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         job that replaced its engine (``cr.FaultTolerance`` after a lost worker)."""
         self._forget_caches()
         self._edits.forget()
+        self._passes.reset()
         if self._overlapped is not None:
             self._overlapped.forget_engine()
 
@@ -231,15 +304,20 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         self._groups_cache = None
         self._pack_cache = None
         self._synchronized = False
+        self._sync_called = False  # synchronize() ran since the last step() (skip_synchronize's check)
         self._owner = None
 
     def _reset_runtime_state(self) -> None:
         self._forget_caches()
+        self._skipping = False
         for stepped in (self, self._optimizer, self._sharded and self._sharded.inner):
             if stepped:  # the plain-optimizer guard leaves them alone: this wrapper reduces
                 exempt(stepped)
         params = list({id(p): p for g in self._optimizer.param_groups for p in g["params"]
                        if p.requires_grad}.values())
+        # Before the overlapped buckets' hooks: a backward pass that must not reduce enters
+        # no_sync at its first gradient, before the buckets count that gradient.
+        self._passes = _BackwardPasses(params, self._backward_passes_per_step)
         self._overlapped: OverlappedReduction | None = None
         if self._overlap:
             self._overlapped = OverlappedReduction(params, self._bytes_per_pack, self._reduction, self._groups,
@@ -247,13 +325,16 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         # Gradients edited before step() reduces them (the DDP clipping idiom) are a warning;
         # with overlap they are reduced by the end of backward.
         self._edits = GradientEdits([] if self._overlap else params)
+        self._passes.overlapped = self._overlapped
         # What torch.optim.Optimizer.__init__ sets up for hooks; the parameters
         # themselves stay with the wrapped optimizer.
         tp.init_optimizer_hooks(self)
 
     def __repr__(self) -> str:
+        passes = (f", backward_passes_per_step={self._backward_passes_per_step}"
+                  if self._backward_passes_per_step > 1 else "")
         return (f"CrossShardOptimizer({self._optimizer!r}, reduction={self._reduction}, "
-                f"group_assignment={self._group_assignment!r}, bytes_per_pack={self._bytes_per_pack})")
+                f"group_assignment={self._group_assignment!r}, bytes_per_pack={self._bytes_per_pack}{passes})")
 
     # ------------------------------------------------------------ stepping
 
@@ -280,8 +361,14 @@ class CrossShardOptimizer(torch.optim.Optimizer):
 
         Raises:
             cr.ReplicaContextError: called outside a replica function.
+            RuntimeError: inside :meth:`skip_synchronize` without a :meth:`synchronize`
+                since the last step.
         """
         rctx = require_replica_context("CrossShardOptimizer.step")
+        synchronized_since_step, self._sync_called = self._sync_called, False
+        self._passes.reset()
+        if self._skipping:
+            self._check_skip(synchronized_since_step, closure, weight)
         if not self._synchronized:
             self._edits.check("step()", self, rctx)
         if rctx.micro_batch is not None:
@@ -310,6 +397,38 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         return self._optimizer.step()
 
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Horovod's context for a ``step()`` that must not reduce again: ``opt.synchronize();
+        (unscale, clip); with opt.skip_synchronize(): opt.step()`` (or ``scaler.step(opt)``).
+
+        A ``step()`` after :meth:`synchronize` never reduces again, with or without this
+        context; inside it, a step whose gradients no :meth:`synchronize` reduced since the
+        last ``step()`` or ``zero_grad()`` is a RuntimeError (it would step each replica on
+        its own gradients), as are ``step(closure)`` and ``step(weight=...)``."""
+        saved, self._skipping = self._skipping, True
+        try:
+            yield
+        finally:
+            self._skipping = saved
+
+    def _check_skip(self, synchronized: bool, closure: Any = None, weight: Any = None) -> None:
+        """Raises when a step inside :meth:`skip_synchronize` would not use reduced gradients."""
+        if closure is not None:
+            raise ValueError(
+                "step(closure) inside opt.skip_synchronize(): the closure computes new gradients, which must "
+                "be reduced; call opt.step(closure) outside skip_synchronize()")
+        if weight is not None:
+            raise ValueError(
+                f"step(weight={summarize(weight)}) inside opt.skip_synchronize() comes after the reduction; pass "
+                f"the weight to opt.synchronize(weight=...)")
+        if not synchronized:
+            raise RuntimeError(
+                "opt.step() inside opt.skip_synchronize() without opt.synchronize() since the last step() or "
+                "zero_grad(): the gradients are this replica's own, unreduced ones, and each replica would step "
+                "on its own. Call opt.synchronize() after backward (Horovod's order: synchronize(); unscale_ / "
+                "clip; with opt.skip_synchronize(): step()), or step outside skip_synchronize()")
+
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """A context in which backward passes accumulate gradients without reducing
         them (``overlap=True``; as DDP's ``no_sync``): the first backward after it
@@ -323,6 +442,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         def reduced() -> Any:
             with torch.enable_grad():
                 loss = closure()
+            self._passes.reset()
             return self._reduce_gradients(weight, loss=loss)
         return reduced
 
@@ -333,6 +453,8 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         """
         rctx = require_replica_context("CrossShardOptimizer.synchronize")
         self._edits.check("synchronize()", self, rctx)
+        self._sync_called = True
+        self._passes.reset()
         if rctx.micro_batch is not None:
             # Folds this micro-batch; the gradients are the step's only in the replica's last one.
             self._synchronized = invariant.synchronize(self, rctx.micro_batch, weight)
