@@ -7,9 +7,10 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from . import launch as launch_module
-from .demo import STRATEGIES, TrainConfig, train
+from .demo import STRATEGIES, TrainConfig, TrainResult, train
 from .fault_tolerance import FencedOutError
 from .logs import LOGGER_NAME
 from .version import __version__
@@ -17,6 +18,19 @@ from .version import __version__
 __all__ = ["main", "build_parser"]
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def _usage_error(prog: str, message: str) -> NoReturn:
+    """A usage error: one line on stderr, exit code 2 (argparse's, without the usage block)."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line: what is wrong, and where the options are."""
+
+    def error(self, message: str) -> NoReturn:
+        _usage_error(self.prog, f"{message} (`{self.prog} --help` lists the options)")
 
 
 def _positive_int(text: str) -> int:
@@ -39,6 +53,16 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _dropout(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0.0 <= v < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1); got {text!r}")
+    return v
+
+
 def _rank_step(text: str) -> tuple[int, int]:
     rank, sep, step = text.partition(":")
     try:
@@ -49,6 +73,9 @@ def _rank_step(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected RANK:STEP, a worker rank >= 0 and a step >= 1; got {text!r}")
     return at
 
+
+#: --micro-batches' default with --layout-invariant
+_MICRO_BATCHES = 8
 
 _TRAIN_EPILOG = """\
 multi-process training (--strategy multi_worker) is launched by torchrun:
@@ -69,7 +96,7 @@ multi-process training (--strategy multi_worker) is launched by torchrun:
 
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="crossreplica", description="tf.distribute-style synchronous data-parallel training for PyTorch.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -81,10 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "distribution strategy, then trains it again on one device with plain torch\n"
                     "and reports the largest parameter difference.",
         epilog=_TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    train.add_argument("--replicas", type=_positive_int, default=d.replicas,
+    # Options of one strategy or mode default to None: given with another one they are refused (_check_train).
+    train.add_argument("--replicas", type=_positive_int, default=None,
                        help=f"in-process replicas for --strategy mirrored (default: one per core, 2 to 4; "
                             f"{d.replicas} here)")
-    train.add_argument("--replicas-per-worker", type=_positive_int, default=d.replicas_per_worker,
+    train.add_argument("--replicas-per-worker", type=_positive_int, default=None,
                        help="local replicas of each process for --strategy multi_worker, launched "
                             f"with torchrun (default {d.replicas_per_worker})")
     train.add_argument("--strategy", choices=sorted(STRATEGIES), default=d.strategy,
@@ -93,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=_positive_int, default=d.batch_size,
                        help=f"global batch size, split over the replicas (default {d.batch_size})")
     train.add_argument("--lr", type=_positive_float, default=d.lr, help=f"SGD learning rate (default {d.lr})")
-    train.add_argument("--dropout", type=float, default=d.dropout,
+    train.add_argument("--dropout", type=_dropout, default=d.dropout,
                        help="dropout after each hidden layer, in [0, 1): each replica draws its masks from "
                             f"its own random stream (default {d.dropout})")
     train.add_argument("--seed", type=int, default=d.seed, help=f"data split, shuffling and init (default {d.seed})")
@@ -104,10 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--layout-invariant", action="store_true",
                        help="train in the layout-invariant mode: the final parameters are bitwise the same "
                             "for any number of replicas, workers and hosts (docs/layout_invariance.md)")
-    train.add_argument("--micro-batches", type=_positive_int, default=8,
+    train.add_argument("--micro-batches", type=_positive_int, default=None,
                        help="micro-batches per global batch with --layout-invariant; any number of replicas "
                             "in sync up to it gives the same bits, so a fault-tolerant job may shrink to any "
-                            "count (default 8; a multiple of the replica count balances their work)")
+                            f"count (default {_MICRO_BATCHES}; a multiple of the replica count balances their "
+                            "work)")
     train.add_argument("--save-params", metavar="PATH", default=None,
                        help="torch.save the final model's state_dict to PATH (on the chief), e.g. to compare "
                             "two layouts: torch.equal on every tensor")
@@ -131,15 +160,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_train(args: argparse.Namespace) -> None:
+    """Refuses options that the chosen strategy or mode would ignore, naming the fix."""
+    prog, strategy = "crossreplica train", args.strategy
+    launched = "crossreplica launch --workers 3 -- crossreplica train --strategy multi_worker --fault-tolerant"
+    if args.fault_tolerant and strategy != "multi_worker":
+        _usage_error(prog, f"--fault-tolerant needs --strategy multi_worker (got --strategy {strategy}): it keeps a "
+                           f"multi-process job going through a lost worker; start one with `{launched}`")
+    for flag, at in (("--kill-worker-at-step", args.kill_worker_at_step),
+                     ("--freeze-worker-at-step", args.freeze_worker_at_step)):
+        if at is not None and strategy != "multi_worker":
+            _usage_error(prog, f"{flag} needs --strategy multi_worker (got --strategy {strategy}): it stops one worker "
+                               f"process of a multi-process job, and --strategy {strategy} runs in this one process; "
+                               f"try `{launched} {flag} 1:4`")
+    if args.replicas is not None and strategy != "mirrored":
+        fix = ("use --replicas-per-worker for each process's replicas" if strategy == "multi_worker"
+               else "drop it, or use --strategy mirrored")
+        _usage_error(prog, f"--replicas sets the in-process replicas of --strategy mirrored; --strategy {strategy} "
+                           f"ignores it: {fix}")
+    if args.replicas_per_worker is not None and strategy != "multi_worker":
+        _usage_error(prog, f"--replicas-per-worker applies to --strategy multi_worker; --strategy {strategy} ignores "
+                           f"it: use --replicas for in-process replicas, or add --strategy multi_worker")
+    if args.micro_batches is not None and not args.layout_invariant:
+        _usage_error(prog, "--micro-batches applies to the layout-invariant mode only: add --layout-invariant, or "
+                           "drop --micro-batches")
+
+
 def _train(args: argparse.Namespace) -> int:
-    config = TrainConfig(replicas=args.replicas, strategy=args.strategy, epochs=args.epochs,
-                         batch_size=args.batch_size, lr=args.lr, dropout=args.dropout, seed=args.seed,
-                         progress=not args.no_progress, compare=not args.no_compare,
-                         replicas_per_worker=args.replicas_per_worker,
-                         micro_batches=args.micro_batches if args.layout_invariant else None,
+    _check_train(args)
+    d = TrainConfig()
+    micro_batches = _MICRO_BATCHES if args.micro_batches is None else args.micro_batches
+    config = TrainConfig(replicas=d.replicas if args.replicas is None else args.replicas, strategy=args.strategy,
+                         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, dropout=args.dropout,
+                         seed=args.seed, progress=not args.no_progress, compare=not args.no_compare,
+                         replicas_per_worker=(d.replicas_per_worker if args.replicas_per_worker is None
+                                              else args.replicas_per_worker),
+                         micro_batches=micro_batches if args.layout_invariant else None,
                          save_params=args.save_params, fault_tolerant=args.fault_tolerant,
                          kill_worker_at_step=args.kill_worker_at_step,
                          freeze_worker_at_step=args.freeze_worker_at_step)
+    try:
+        config.validate()
+    except ValueError as e:  # the options parsed, but do not combine
+        _usage_error("crossreplica train", str(e))
     try:
         result = train(config)
     except FencedOutError as e:  # a worker the others went on without: it must stop, and says why
@@ -148,14 +211,40 @@ def _train(args: argparse.Namespace) -> int:
     if not result.chief:  # the chief reports for every worker
         return 0 if result.replicas_identical else 1
     last = result.history[-1]
-    print(f"done in {result.seconds:.2f} s: test accuracy {last.test_acc:.4f}, every replica's parameters "
-          f"bitwise identical (all workers): {'yes' if result.replicas_identical else 'NO'}")
+    print(f"done in {result.seconds:.2f} s ({len(result.history)} epoch(s): training, evaluation and logging): test "
+          f"accuracy {last.test_acc:.4f}, every replica's parameters bitwise identical (all workers): "
+          f"{'yes' if result.replicas_identical else 'NO'}")
     if result.max_abs_param_diff is not None:
         print(f"one-device run (plain torch, same batches, {result.reference_threads} intra-op thread(s) as each "
-              f"replica) in {result.reference_seconds:.2f} s: test "
-              f"accuracy {result.reference_test_acc:.4f}; max |parameter difference| = "
+              f"replica): test accuracy {result.reference_test_acc:.4f}; max |parameter difference| = "
               f"{result.max_abs_param_diff:.3e}")
+    for line in _step_times(result):
+        print(line)
     return 0 if result.replicas_identical else 1
+
+
+def _step_times(result: TrainResult) -> list[str]:
+    """The time of one training step on the replicas and, when compared, on one device, both
+    measured the same way; and what their ratio means here."""
+    if result.step_seconds is None:
+        return []
+    n, ms = result.replicas_in_sync, result.step_seconds * 1e3
+    line = f"one training step (median of {result.steps}): {ms:.2f} ms on {n} replica(s)"
+    if result.reference_step_seconds is None:
+        return [line]
+    ref = result.reference_step_seconds * 1e3
+    line += f", {ref:.2f} ms on one device with plain torch ({ms / ref:.1f}x the time)"
+    strategy, cores = result.config.strategy, result.cores
+    if strategy == "mirrored":
+        meaning = (f"on a CPU the {n} replicas are threads of this process sharing its {cores} core(s) and one "
+                   f"interpreter lock, so it is the cost of in-process replicas on a model this small, not a "
+                   f"speed-up (that takes a device per replica)")
+    elif strategy == "one_device":
+        meaning = "one replica does the same work with nothing to reduce, so it is the strategy's own cost per step"
+    else:
+        meaning = ("each step includes the all-reduce between the workers' processes, and workers on one host's CPU "
+                   "share its cores, so it is that cost on a model this small, not a speed-up")
+    return [line, f"what the ratio means: {meaning}"]
 
 
 def _log_to_stderr(level: str) -> logging.Handler:

@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import os
 import signal
+import statistics
 import sys
 import time
 from typing import Any
@@ -40,6 +41,14 @@ __all__ = ["TrainConfig", "EpochStats", "default_replicas", "TrainResult", "STRA
            "make_strategy", "global_batches", "train", "train_reference"]
 
 
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        return os.cpu_count() or 1
+
+
 def default_replicas() -> int:
     """The demo's in-process replicas: one per core this process may run on, at least 2
     (it shows data parallelism) and at most 4.
@@ -49,11 +58,7 @@ def default_replicas() -> int:
     under the one GIL, so on 2 cores 4 replicas train the demo model about twice as
     slowly as 2 (BENCHMARKS.md, "Demo model on 1, 2 and 4 replicas").
     """
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity on this platform
-        cores = os.cpu_count() or 1
-    return min(4, max(2, cores))
+    return min(4, max(2, _cores()))
 
 
 @dataclasses.dataclass
@@ -112,6 +117,11 @@ class EpochStats:
 
 @dataclasses.dataclass
 class TrainResult:
+    """What :func:`train` measured. Times: ``seconds`` is the whole run after set-up (training,
+    evaluation, logging); ``step_seconds`` and ``reference_step_seconds`` are the median time of
+    one training step, measured the same way on both runs (from a global batch in hand to the
+    optimizer's step done), so only they compare like with like."""
+
     config: TrainConfig
     history: list[EpochStats]
     seconds: float
@@ -122,6 +132,11 @@ class TrainResult:
     reference_test_acc: float | None = None
     model: nn.Module | None = None
     chief: bool = True  # false on the other workers of a multi-process run (they stay quiet)
+    replicas_in_sync: int = 1  # at the end (a fault-tolerant run may have lost or gained workers)
+    steps: int = 0  # training steps this worker timed
+    step_seconds: float | None = None  # median over those steps
+    reference_step_seconds: float | None = None  # the same for the one-device run
+    cores: int = dataclasses.field(default_factory=_cores)  # this process's cores: the replicas share them
 
 
 # --------------------------------------------------------------------------- pieces
@@ -263,6 +278,8 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
         # The injectors name a worker as launched (a joining worker has a new identity).
         rank = strategy.extended.input_pipeline_id if ft is None else ft.identity
         runs = 0  # ft.run calls so far: a joining worker skips those the job made before it came
+        reported = 0 if ft is None else len(ft.recoveries)  # membership changes the chief has reported
+        step_times: list[float] = []
         test_set = strategy.distribute_dataset([(x_test, y_test)])
         start = time.perf_counter()  # after the one-time set-up (the first optimizer imports a lot)
         steps = 0
@@ -276,10 +293,14 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
                 if ft is not None and (runs := runs + 1) <= ft.completed:
                     continue
                 _inject_failure(config, rank, steps)
+                t_step = time.perf_counter()
                 if ft is not None:  # the global batch: split over whoever is left at each try
                     step = ft.run(_train_step, batch, args=(model, opts), reduce="sum")
                 else:
                     step = strategy.reduce("sum", strategy.run(_train_step, args=(model, opts, batch)))
+                step_times.append(time.perf_counter() - t_step)
+                if ft is not None:
+                    reported = _report_membership(ft, reported, f"step {steps}", log)
                 totals += step
                 if hasattr(it, "set_postfix"):
                     it.set_postfix(loss=f"{step[0].item() / max(step[2].item(), 1):.4f}", refresh=False)
@@ -291,6 +312,7 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
                     test += strategy.reduce("sum", strategy.run(_eval_step, args=(model, batch)))
             elif (runs := runs + 1) > ft.completed:
                 test += ft.run(_eval_step, (x_test, y_test), args=(model,), reduce="sum")
+                reported = _report_membership(ft, reported, f"the evaluation after epoch {epoch}", log)
             stats = EpochStats(epoch, (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item(),
                                (test[0] / test[2]).item(), (test[1] / test[2]).item(),
                                time.perf_counter() - t0)
@@ -304,7 +326,9 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
         torch.set_rng_state(saved_rng)
     copies = strategy.experimental_local_results(model)
     chief = strategy.extended.input_pipeline_id == 0  # the first chief may have been lost
-    result = TrainResult(config, history, seconds, _identical(strategy, copies), model=copies[0], chief=chief)
+    result = TrainResult(config, history, seconds, _identical(strategy, copies), model=copies[0], chief=chief,
+                         replicas_in_sync=strategy.num_replicas_in_sync, steps=len(step_times),
+                         step_seconds=statistics.median(step_times) if step_times else None)
     if config.save_params is not None and chief:
         torch.save(copies[0].state_dict(), config.save_params)
     # With the replicas' intra-op thread count: it decides how some kernels sum (the bits).
@@ -316,14 +340,37 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
         # The layout-invariant mode's parts are the micro-batches (same draws, same split).
         parts = n if config.micro_batches is None else config.micro_batches
         result.reference_threads = threads
+        reference_times: list[float] = []
         with _intra_op_threads(threads):
-            reference = train_reference(config, copy.deepcopy(initial), x_train, y_train, parts)
+            reference = train_reference(config, copy.deepcopy(initial), x_train, y_train, parts,
+                                        step_seconds=reference_times)
         result.reference_seconds = time.perf_counter() - t0
+        result.reference_step_seconds = statistics.median(reference_times)
         result.max_abs_param_diff = max(
             (a - b).abs().max().item() for a, b in zip(copies[0].parameters(), reference.parameters()))
         test = _eval_step(reference, (x_test, y_test))
         result.reference_test_acc = (test[1] / test[2]).item()
     return result
+
+
+def _report_membership(ft: FaultTolerance, reported: int, during: str, log: Callable[[str], None]) -> int:
+    """Logs one line per membership change that ``ft`` recorded since the first ``reported``
+    (who was lost or joined, the new worker and replica counts, where the run goes on);
+    returns how many it has recorded."""
+    for change in ft.recoveries[reported:]:
+        size = f"{len(change['members'])} worker(s), {ft.strategy.num_replicas_in_sync} replica(s) in sync"
+        if change["lost"]:
+            joined = f", worker(s) {_names(change['joined'])} joined" if change["joined"] else ""
+            log(f"crossreplica train: lost worker(s) {_names(change['lost'])} during {during}{joined}; going on "
+                f"with {size}, {during} redone on them")
+        else:
+            log(f"crossreplica train: worker(s) {_names(change['joined'])} joined as {during} starts; going on "
+                f"with {size}")
+    return len(ft.recoveries)
+
+
+def _names(identities: list[int]) -> str:
+    return ", ".join(map(str, identities))
 
 
 def _inject_failure(config: TrainConfig, rank: int, step: int) -> None:
@@ -362,14 +409,15 @@ def _intra_op_threads(n: int) -> Iterator[None]:
 
 
 def train_reference(config: TrainConfig, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                    replicas: int = 1) -> nn.Module:
+                    replicas: int = 1, step_seconds: list[float] | None = None) -> nn.Module:
     """The same training on one device with plain torch: the whole global batch at once.
 
     With dropout, each replica's rows are drawn as the library's rule says
     (docs/fidelity.md, "Random numbers"): every ``strategy.run`` of :func:`train` makes
     one draw ``base`` from the seeded generator, and replica ``i`` then draws as after
     ``torch.manual_seed(base + i)``; the loss is the global batch's mean over the
-    replicas' parts (split as ``strategy.distribute_dataset`` splits them).
+    replicas' parts (split as ``strategy.distribute_dataset`` splits them). Each training
+    step's time is appended to ``step_seconds``, measured as :func:`train` measures its own.
     """
     opt = _make_optimizer(model, config)
     caller = torch.Generator().manual_seed(config.seed)  # the generator train()'s runs draw from
@@ -377,6 +425,7 @@ def train_reference(config: TrainConfig, model: nn.Module, x: torch.Tensor, y: t
         _draw(caller)  # the run that builds the optimizers
         for epoch in range(1, config.epochs + 1):
             for xb, yb in global_batches(x, y, config.batch_size, epoch, config.seed):
+                started = time.perf_counter()
                 opt.zero_grad()
                 base = _draw(caller)  # this step's run
                 if config.dropout == 0:
@@ -386,6 +435,8 @@ def train_reference(config: TrainConfig, model: nn.Module, x: torch.Tensor, y: t
                     losses = [_replica_loss(model, part, base + i) for i, part in enumerate(parts)]
                     (torch.stack(losses).sum() / xb.shape[0]).backward()
                 opt.step()
+                if step_seconds is not None:
+                    step_seconds.append(time.perf_counter() - started)
             _draw(caller)  # the evaluation run
     return model
 

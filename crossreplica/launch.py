@@ -33,6 +33,7 @@ import argparse
 import datetime
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,9 +61,10 @@ def launch(command: Sequence[str], workers: int, grace_seconds: float = 10.0,
         raise ValueError(f"max_restarts must be an int >= 0; got {max_restarts!r}")
     if not command:
         raise ValueError("command must name the program to run, e.g. `-- python train.py`")
+    base = dict(os.environ if env is None else env)
+    _check_program(command, base.get("PATH"))
     store = dist.TCPStore("127.0.0.1", 0, workers, is_master=True, timeout=datetime.timedelta(seconds=60),
                           wait_for_workers=False)
-    base = dict(os.environ if env is None else env)
     base.setdefault("CROSSREPLICA_JOB_SECRET", secrets.token_hex(16))
     base.update({"WORLD_SIZE": str(workers), "LOCAL_WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"})
@@ -99,6 +101,16 @@ def launch(command: Sequence[str], workers: int, grace_seconds: float = 10.0,
     if len(failed) < workers:
         return 0
     return next(iter(failed.values()))
+
+
+def _check_program(command: Sequence[str], path: str | None = None) -> None:
+    """Raises ValueError unless ``command[0]`` is a program that can be started: found on
+    ``path`` (a PATH value; None: this process's), or an executable file."""
+    if shutil.which(command[0], path=path) is None:
+        where = "an executable file" if os.sep in command[0] else "a program on PATH"
+        raise ValueError(f"cannot start the workers: {command[0]!r} is not {where}; give the worker's command after "
+                         f"`--`, e.g. `-- python train.py` or `-- crossreplica train --strategy multi_worker` (with "
+                         f".venv active, or as .venv/bin/crossreplica)")
 
 
 class _Restarts:
@@ -161,19 +173,41 @@ def _wait_all(procs: list[subprocess.Popen], seconds: float) -> None:
         time.sleep(_POLL)
 
 
+def _at_least(low: float, kind: type) -> Callable[[str], float]:
+    """An argparse type: a number of ``kind`` (int or float) >= ``low``."""
+    what = f"an integer >= {low}" if kind is int else f"a number of seconds >= {low}"
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}; got {text!r}") from None
+        if not value >= low:
+            raise argparse.ArgumentTypeError(f"expected {what}; got {text!r}")
+        return value
+
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, required=True, help="worker processes to start")
-    parser.add_argument("--grace-seconds", type=float, default=10.0,
+    parser.add_argument("--workers", type=_at_least(1, int), required=True, help="worker processes to start (>= 1)")
+    parser.add_argument("--grace-seconds", type=_at_least(0, float), default=10.0,
                         help="once a worker has finished, how long the others may still run before they are "
                              "stopped (default 10)")
-    parser.add_argument("--max-restarts", type=int, default=0,
+    parser.add_argument("--max-restarts", type=_at_least(0, int), default=0,
                         help="how many times in all a worker that fails while others still run is started again "
                              "to join the running job at a step boundary (cr.FaultTolerance; default 0)")
     parser.usage = "crossreplica launch --workers N [--grace-seconds S] [--max-restarts K] -- COMMAND [ARG ...]"
 
 
 def main(args: argparse.Namespace) -> int:
-    if not args.worker_command:
-        raise SystemExit("crossreplica launch: give the worker's command after `--`, e.g. `crossreplica launch "
-                         "--workers 4 -- python -m crossreplica.cli train --strategy multi_worker`")
+    """``crossreplica launch``: a usage error is one line on stderr and exit code 2."""
+    try:
+        if not args.worker_command:
+            raise ValueError("give the worker's command after `--`, e.g. `crossreplica launch --workers 4 -- "
+                             "crossreplica train --strategy multi_worker --fault-tolerant`")
+        _check_program(args.worker_command)
+    except ValueError as e:
+        print(f"crossreplica launch: error: {e}", file=sys.stderr)
+        return 2
     return launch(args.worker_command, args.workers, args.grace_seconds, max_restarts=args.max_restarts)

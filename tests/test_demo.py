@@ -37,6 +37,25 @@ def test_cli_train(capsys):
     assert "max |parameter difference| =" in out
     assert "every replica's parameters bitwise identical (all workers): yes" in out
     assert "intra-op thread(s) as each replica" in out
+    # Like with like: one training step on each, and what the ratio means on a CPU.
+    x, y, _, _ = demo.load_digits(1)
+    steps = len(demo.global_batches(x, y, 50, 1, 1))
+    assert f"one training step (median of {steps}): " in out and " ms on 2 replica(s), " in out
+    assert "ms on one device with plain torch (" in out
+    assert "what the ratio means: on a CPU the 2 replicas are threads of this process" in out
+
+
+def test_step_times_are_of_the_training_steps_alone_on_both_runs():
+    config = demo.TrainConfig(replicas=2, epochs=2, batch_size=256, progress=False)
+    result = demo.train(config, log=None)
+    x, y, _, _ = demo.load_digits(config.seed)
+    steps = sum(len(demo.global_batches(x, y, 256, epoch, config.seed)) for epoch in (1, 2))
+    assert result.steps == steps and result.replicas_in_sync == 2
+    assert 0 < result.step_seconds < result.seconds  # one step, not the whole run with its evaluation
+    assert 0 < result.reference_step_seconds < result.reference_seconds
+    times: list[float] = []
+    demo.train_reference(config, demo.make_model(), x, y, 2, step_seconds=times)
+    assert len(times) == steps
 
 
 @pytest.mark.parametrize("cores,expected", [(1, 2), (2, 2), (3, 3), (4, 4), (64, 4)])
