@@ -2,9 +2,10 @@
 
 ``cr.FaultTolerance(strategy, state)`` wraps the steps of a
 MultiWorkerMirroredStrategy job. Each ``ft.run(fn, global_batch, ...)`` keeps a
-copy of the training state in memory (parameters, buffers, optimizer state and
-the caller's random stream) and runs the step on the global batch, split over
-the replicas in sync. When the step fails because a worker died, froze, hung
+copy of the training state in memory (parameters, buffers, optimizer state, LR
+schedulers and other objects with a state_dict, and the caller's random stream,
+``elastic/state.py``) and runs the step on the global batch, split over the
+replicas in sync. When the step fails because a worker died, froze, hung
 past the timeout or was cut off, the survivors
 
 1. put their state back as it was when the step began,
@@ -34,8 +35,6 @@ redoing the step on the survivors is what keeps both.
 
 from __future__ import annotations
 
-import copy
-import io
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -44,16 +43,14 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from . import nest
-from . import torch_private as tp
 from .engines.torch_dist import WorkerFailedError
+from .elastic import TrainingState
 from .errors import CollectiveTimeoutError, ReplicaAborted, summarize
 from .optim import CrossShardOptimizer
 from .reduce_op import ReduceOp
 from .strategies.membership import (FencedOutError, Membership, StoreCalls, agree, announce_growth, await_invitation,
                                     epoch_prefix, found, give_up, growth, joiners_waiting, request_join)
 from .strategies.multi_worker import MultiWorkerExtended, MultiWorkerMirroredStrategy
-from .values import DistributedValues
 
 __all__ = ["FaultTolerance", "FencedOutError"]
 
@@ -63,130 +60,18 @@ _log = logging.getLogger(__name__)
 _RECOVERABLE = (CollectiveTimeoutError, ReplicaAborted)
 
 
-class _Saved:
-    """A copy of some tensors, kept in buffers of its own that each save reuses."""
-
-    def __init__(self) -> None:
-        self.buffers: list[torch.Tensor] = []
-
-    def save(self, tensors: Sequence[torch.Tensor]) -> None:
-        fits = len(self.buffers) == len(tensors) and all(
-            b.shape == t.shape and b.dtype == t.dtype and b.device == t.device
-            for b, t in zip(self.buffers, tensors))
-        with torch.no_grad():
-            if not fits:
-                self.buffers = [t.detach().clone() for t in tensors]
-                return
-            if self.buffers:
-                tp.foreach_copy_(self.buffers, list(tensors))
-
-
-class _OptimizerCopy:
-    """A wrapped torch optimizer's state and hyperparameters as they were at a step's start."""
-
-    def __init__(self, opt: torch.optim.Optimizer):
-        self.opt = opt
-        self.tensors = _Saved()
-        self.layout: list[tuple[int, str, Any]] = []  # (param position, key, value or None for a tensor)
-        self.groups: list[dict[str, Any]] = []
-
-    def save(self) -> None:
-        params = [p for g in self.opt.param_groups for p in g["params"]]
-        layout, tensors = [], []
-        for i, p in enumerate(params):
-            for key, value in self.opt.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor):
-                    layout.append((i, key, None))
-                    tensors.append(value)
-                else:
-                    layout.append((i, key, copy.deepcopy(value)))
-        self.layout = layout
-        self.tensors.save(tensors)
-        self.groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
-
-    def restore(self) -> None:
-        params = [p for g in self.opt.param_groups for p in g["params"]]
-        self.opt.state.clear()
-        saved = iter(self.tensors.buffers)
-        for i, key, value in self.layout:
-            self.opt.state[params[i]][key] = next(saved).clone() if value is None else copy.deepcopy(value)
-        for group, hyper in zip(self.opt.param_groups, self.groups):
-            group.update(copy.deepcopy(hyper))
-
-
-class _State:
-    """This worker's share of the training state: its local copies of every module and
-    optimizer in ``state`` (a nest of Mirrored / PerReplica values, modules, optimizers)."""
-
-    def __init__(self, strategy: MultiWorkerMirroredStrategy, state: Any):
-        leaves = []
-        for leaf in nest.flatten(state)[0]:
-            leaves += (list(strategy.experimental_local_results(leaf)) if isinstance(leaf, DistributedValues)
-                       else [leaf])
-        self.modules = [x for x in leaves if isinstance(x, torch.nn.Module)]
-        opts = [x for x in leaves if isinstance(x, torch.optim.Optimizer)]
-        others = [x for x in leaves if not isinstance(x, (torch.nn.Module, torch.optim.Optimizer))]
-        if others:
-            raise TypeError(f"state must hold modules and optimizers (or Mirrored / PerReplica values of them); "
-                            f"got {summarize(others[0])}")
-        for opt in opts:
-            if isinstance(opt, CrossShardOptimizer) and opt.shards_state:
-                raise ValueError("FaultTolerance does not support CrossShardOptimizer(shard_optimizer_state=True): "
-                                 "a lost worker takes its shard of the optimizer state with it; leave it False")
-        self.wrappers = [opt for opt in opts if isinstance(opt, CrossShardOptimizer)]
-        self.optimizers = [opt.optimizer if isinstance(opt, CrossShardOptimizer) else opt for opt in opts]
-        self._tensors = _Saved()
-        self._opts = [_OptimizerCopy(opt) for opt in self.optimizers]
-        self._rng = torch.get_rng_state()
-
-    def _module_tensors(self) -> list[torch.Tensor]:
-        return [t for m in self.modules for t in (*(p.data for p in m.parameters()), *m.buffers())]
-
-    def save(self) -> None:
-        self._tensors.save(self._module_tensors())
-        for opt in self._opts:
-            opt.save()
-        self._rng = torch.get_rng_state()
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for t, b in zip(self._module_tensors(), self._tensors.buffers):
-                t.copy_(b)
-        for m in self.modules:
-            for p in m.parameters():
-                p.grad = None
-        for opt in self._opts:
-            opt.restore()
-        torch.set_rng_state(self._rng)
-
-    def serialize(self, completed: int, result: Any) -> bytes:
-        """The state as it is now (the first local copy of each object: they are identical)."""
-        buf = io.BytesIO()
-        torch.save({"modules": [m.state_dict() for m in self.modules],
-                    "optimizers": [o.state_dict() for o in self.optimizers],
-                    "rng": torch.get_rng_state(), "completed": completed, "result": result}, buf)
-        return buf.getvalue()
-
-    def load(self, data: bytes) -> tuple[int, Any]:
-        """Loads what :meth:`serialize` wrote on another worker; returns its completed steps
-        and the result of its last step."""
-        got = torch.load(io.BytesIO(data), weights_only=False)
-        for m, sd in zip(self.modules, got["modules"]):
-            m.load_state_dict(sd)
-        for o, sd in zip(self.optimizers, got["optimizers"]):
-            o.load_state_dict(sd)
-        torch.set_rng_state(got["rng"])
-        return got["completed"], got["result"]
-
-
 class FaultTolerance:
     """Runs the steps of a multi-worker job so that it survives losing workers.
 
     Args:
         strategy: the job's ``cr.MultiWorkerMirroredStrategy`` (gloo).
-        state: what a step changes and a redo must start from: the model(s) from
-            ``strategy.mirror`` and the optimizers (a PerReplica of
-            ``cr.CrossShardOptimizer``), in any nest.
+        state: what a step changes and a redo must start from, in any nest: the
+            model(s) from ``strategy.mirror``, the optimizers (a PerReplica of
+            ``cr.CrossShardOptimizer``), and any ``torch.Generator`` or object with
+            ``state_dict`` / ``load_state_dict`` (LR schedulers, ``GradScaler``, a
+            sampler or data position), or Mirrored / PerReplica values of them
+            (``elastic/state.py``; a joining worker gets them as tensors and plain
+            values, never a pickle).
 
     Every cross-replica step goes through :meth:`run` (or :meth:`call` for work
     that changes no state, such as ``cr.save``); a collective outside them that
@@ -216,7 +101,8 @@ class FaultTolerance:
         self.strategy = strategy
         self._ext: MultiWorkerExtended = ext
         self._last_result: Any = None
-        self._state = _State(strategy, state)
+        self._state = TrainingState(strategy.experimental_local_results, state)
+        self._wrappers = [obj for obj in self._state.objects if isinstance(obj, CrossShardOptimizer)]
         self.identity = ext.worker_rank
         self.members: tuple[int, ...] = tuple(range(ext.num_workers))
         self.epoch = 0
@@ -247,13 +133,13 @@ class FaultTolerance:
                 if done:
                     return result
             self._admit_joiners()
-            self._state.save()
+            self._state.snapshot()
             try:
                 part = next(iter(self.strategy.distribute_dataset([batch])))
                 out = self.strategy.run(fn, args=(*args, part), kwargs=kwargs)
                 result = out if reduce is None else self.strategy.reduce(reduce, out)
             except _RECOVERABLE as e:
-                self._state.restore()
+                self._state.rollback()
                 done, result = self._recover(e)
                 if done:
                     return result
@@ -330,7 +216,7 @@ class FaultTolerance:
             try:
                 store = dist.PrefixStore(f"{epoch_prefix(membership.epoch)}/group", ext.job_store)
                 ext.regroup(store, membership.rank_of(self.identity), len(membership.members))
-                for wrapper in self._state.wrappers:
+                for wrapper in self._wrappers:
                     wrapper.forget_engine()
                 self.epoch, self.members = membership.epoch, membership.members
                 self._growth = None
@@ -402,7 +288,8 @@ class FaultTolerance:
         got = ext.broadcast_values([payload] * n)  # on the replicas' device (a GPU: read back to the CPU)
         if not behind:
             return False, None
-        completed, result = self._state.load(got.cpu().numpy().tobytes())
+        completed, result = self._state.load(got.cpu().numpy().tobytes(),
+                                             f"worker {membership.members[0]} (rank 0)")
         self.completed = completed
         self._last_result = result
         return True, result

@@ -19,6 +19,10 @@ cuda:(w * local + i) % GPUs; workers may share a GPU, which NCCL cannot).
 FAULT_POINTS_DETERMINISTIC=1: ``torch.use_deterministic_algorithms(True)``, which a
 bitwise comparison on CUDA needs (with CUBLAS_WORKSPACE_CONFIG=:4096:8 in the
 environment, for cuBLAS). The saved parameters are CPU tensors either way.
+FAULT_POINTS_SCHEDULER (default none): an LR scheduler per replica's optimizer (StepLR,
+halving every 5 steps), part of the fault-tolerant state, stepped "inside" the step function
+after the optimizer, or "outside" it, in cross-replica context after each ft.run (what the
+layout-invariant mode needs: its step function runs once per micro-batch).
 FAULT_POINTS_DROPOUT (default 0): a dropout layer of that probability after the first
 hidden layer (in the layout-invariant mode each micro-batch draws its own masks, so
 the step redone on fewer workers draws the same ones).
@@ -68,7 +72,10 @@ def main() -> None:
     opts = strategy.run(lambda m: cr.CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
                                                          overlap=layout is None, bytes_per_pack=1024),
                         args=(model,))
-    ft = cr.FaultTolerance(strategy, (model, opts))
+    scheds, where = None, os.environ.get("FAULT_POINTS_SCHEDULER", "none")
+    if where != "none":  # the LR halves every 5 steps
+        scheds = strategy.run(lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5), args=(opts,))
+    ft = cr.FaultTolerance(strategy, (model, opts) if scheds is None else (model, opts, scheds))
     if point == "regroup":
         regroup = type(strategy.extended).regroup
 
@@ -85,12 +92,14 @@ def main() -> None:
     for opt in strategy.experimental_local_results(opts):
         opt.optimizer.register_step_pre_hook(lambda o, a, k: lose_worker(ft, point, how, "optimizer", step, lose_step))
 
-    def train_step(model, opt, batch):
-        x, y = batch
+    def train_step(model, opt, *rest):
+        *sched, (x, y) = rest
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y)  # every replica gets the same number of rows
         loss.backward()
         opt.step()
+        for s in sched:
+            s.step()
         return loss.detach()
 
     g = torch.Generator().manual_seed(1)
@@ -101,7 +110,10 @@ def main() -> None:
             continue
         if how == "rejoin" and step > lose_step and len(ft.members) < 3 and time.monotonic() < deadline:
             time.sleep(0.5)  # time for the restarted worker to start and ask to join
-        ft.run(train_step, batch, args=(model, opts), reduce="sum")
+        ft.run(train_step, batch, args=(model, opts, scheds) if where == "inside" else (model, opts), reduce="sum")
+        if where == "outside":
+            for sched in strategy.experimental_local_results(scheds):
+                sched.step()
         if step == 2:
             def save() -> None:
                 lose_worker(ft, point, how, "checkpoint", 2, lose_step)
