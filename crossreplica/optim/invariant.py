@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Sequence
 
@@ -93,10 +94,45 @@ class _Current:
         return self.weight or 0.0
 
 
+# Each optimizer's hyperparameters at its last deferred step: (run, micro-batch index, values).
+_deferred: "weakref.WeakKeyDictionary[Any, tuple[int, int, tuple]]" = weakref.WeakKeyDictionary()
+
+
+def _hyperparameters(opt: "CrossShardOptimizer") -> tuple:
+    """The wrapped optimizer's hyperparameters, comparable without reading a device (a
+    tensor's identity and version stand for its value)."""
+    return tuple(tuple((k, (id(v), v._version) if isinstance(v, torch.Tensor) else v)
+                       for k, v in g.items() if k != "params") for g in opt._optimizer.param_groups)
+
+
+def _check_unchanged_between_micro_batches(opt: "CrossShardOptimizer", mb: MicroBatch) -> None:
+    """Raises when the hyperparameters changed since this optimizer's step in an earlier
+    micro-batch of the same run: the replica function runs once per micro-batch, so an LR
+    scheduler stepped in it would step ceil(M/R) times per step, a number that depends on
+    the replica count (a silently different schedule on every layout)."""
+    now = _hyperparameters(opt)
+    seen = _deferred.get(opt)
+    if seen is not None and seen[0] == mb.run and seen[2] != now:
+        changed = sorted({k for before, after in zip(seen[2], now) for (k, a), (_, b) in zip(before, after)
+                          if a != b} or {"param_groups"})
+        raise ValueError(
+            f"the optimizer's {', '.join(changed)} changed between micro-batch {seen[1]} and micro-batch "
+            f"{mb.index} of one step: in the layout-invariant mode the replica function runs once per "
+            f"micro-batch ({mb.count} on this replica, a number that depends on the replica count), so an LR "
+            f"scheduler stepped in it would step that many times per optimizer step; step it after "
+            f"strategy.run, in cross-replica context (for s in strategy.experimental_local_results(schedulers): "
+            f"s.step()), or change the hyperparameters there")
+    if mb.is_last:
+        _deferred.pop(opt, None)
+    else:
+        _deferred[opt] = (mb.run, mb.index, now)
+
+
 def invariant_step(opt: "CrossShardOptimizer", mb: MicroBatch, closure: Callable[[], Any] | None,
                    weight: Any) -> Any:
     """``opt.step()`` in micro-batch ``mb``: folds, and steps in the replica's last one."""
     check_supported(opt)
+    _check_unchanged_between_micro_batches(opt, mb)
     if closure is not None:
         return _closure_step(opt, mb, closure, weight)
     if opt._synchronized:

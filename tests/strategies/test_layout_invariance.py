@@ -285,6 +285,53 @@ def test_sync_batch_norm_and_grad_scaler_are_refused():
         strategy.run(with_scaler, args=(net, opts, batch))
 
 
+def _scheduled_training(strategy, where: str, steps: int = 4) -> dict[str, torch.Tensor]:
+    """An MLP trained with SGD and an ExponentialLR scheduler stepped ``where`` ("inside" the
+    replica function, or "outside" it in cross-replica context)."""
+    torch.manual_seed(0)
+    net = strategy.mirror(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)))
+    opts = strategy.run(lambda m: cr.CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.1)), args=(net,))
+    scheds = strategy.run(lambda o: torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.5), args=(opts,))
+
+    def step(m, o, *rest):
+        *sched, (x, y) = rest
+        o.zero_grad()
+        F.mse_loss(m(x), y).backward()
+        o.step()
+        for s in sched:
+            s.step()
+
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        batch = next(iter(strategy.distribute_dataset([(torch.randn(8, 4, generator=g),
+                                                        torch.randn(8, 1, generator=g))])))
+        strategy.run(step, args=(net, opts, scheds, batch) if where == "inside" else (net, opts, batch))
+        if where == "outside":
+            for s in strategy.experimental_local_results(scheds):
+                s.step()
+    return {k: v.clone() for k, v in strategy.experimental_local_results(net)[0].state_dict().items()}
+
+
+def test_an_lr_scheduler_stepped_per_micro_batch_is_refused_and_outside_the_run_is_bitwise():
+    """The replica function runs once per micro-batch: a scheduler stepped in it would step
+    ceil(M/R) times per optimizer step, a schedule that depends on the layout. The
+    hyperparameters changing between two micro-batches of one step is an error naming the
+    fix; stepped in cross-replica context the run is bitwise the one-device run."""
+    invariant = cr.LayoutInvariant(micro_batches=4)
+    with pytest.raises(ValueError, match=r"lr changed between micro-batch [02] and micro-batch [13] of one step.*"
+                                         r"step it after strategy.run, in cross-replica context"):
+        _scheduled_training(cr.MirroredStrategy(2, layout_invariant=invariant), "inside")
+    one = _scheduled_training(cr.OneDeviceStrategy("cpu", layout_invariant=invariant), "outside")
+    two = _scheduled_training(cr.MirroredStrategy(2, layout_invariant=invariant), "outside")
+    four = _scheduled_training(cr.MirroredStrategy(4, layout_invariant=invariant), "outside")
+    assert all(torch.equal(one[k], two[k]) and torch.equal(one[k], four[k]) for k in one)
+    # with one micro-batch per replica the function runs once per step: stepping inside is fine
+    per_replica = cr.LayoutInvariant(micro_batches=2)
+    inside = _scheduled_training(cr.MirroredStrategy(2, layout_invariant=per_replica), "inside")
+    outside = _scheduled_training(cr.MirroredStrategy(2, layout_invariant=per_replica), "outside")
+    assert all(torch.equal(inside[k], outside[k]) for k in inside)
+
+
 # ---------------------------------------------------------------------------- processes (the CLI)
 
 
