@@ -50,6 +50,7 @@ import torch
 
 from . import settings
 from . import torch_private as tp
+from .errors import CollectiveTimeoutError
 
 __all__ = ["ReplicaStream", "checkpoint_context_fn", "current_stream", "draw_base", "entered", "replica_generator",
            "replica_seed", "replica_stream", "suspended"]
@@ -74,12 +75,14 @@ def _pick_key() -> tuple[str, Any, Any]:
 
 
 class ReplicaStream:
-    """One replica's generators for one run: a seed, and one generator per device, made on first use."""
+    """One replica's generators for one run: a seed, and one generator per device, made on first use;
+    ``timeout``: how long its ops wait for the default generator (None: CROSSREPLICA_TIMEOUT)."""
 
-    __slots__ = ("seed", "_gens")
+    __slots__ = ("seed", "timeout", "_gens")
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, timeout: float | None = None):
         self.seed = seed
+        self.timeout = timeout
         self._gens: dict[torch.device, torch.Generator] = {}
 
     def generator(self, device: torch.device) -> torch.Generator | None:
@@ -133,12 +136,16 @@ def draw_base() -> int:
 
 
 @contextlib.contextmanager
-def entered(seed: int | ReplicaStream) -> Iterator[ReplicaStream]:
+def entered(seed: int | ReplicaStream, timeout: float | None = None) -> Iterator[ReplicaStream]:
     """Runs the body on a fresh stream seeded with ``seed`` (in this thread only), or on
-    the stream given, where its draws left off."""
+    the stream given, where its draws left off. ``timeout``: the strategy's, which bounds
+    the wait for the default generator (default: the enclosing stream's)."""
     _install()
-    stream = seed if isinstance(seed, ReplicaStream) else ReplicaStream(seed)
     saved = _local.stream
+    if isinstance(seed, ReplicaStream):
+        stream = seed
+    else:
+        stream = ReplicaStream(seed, timeout if timeout is not None else saved.timeout if saved is not None else None)
     _local.stream = stream
     try:
         with tp.IncludeDispatchKeyGuard(KEY):
@@ -152,9 +159,11 @@ def current_stream() -> ReplicaStream | None:
     return _local.stream
 
 
-def replica_stream(base: int | None, replica_id: int) -> contextlib.AbstractContextManager[Any]:
-    """Replica ``replica_id``'s stream for a run that drew ``base`` (nothing when ``base`` is None)."""
-    return _NOTHING if base is None else entered(replica_seed(base, replica_id))
+def replica_stream(base: int | None, replica_id: int,
+                   timeout: float | None = None) -> contextlib.AbstractContextManager[Any]:
+    """Replica ``replica_id``'s stream for a run that drew ``base`` (nothing when ``base`` is None);
+    ``timeout``: the strategy's (see :func:`entered`)."""
+    return _NOTHING if base is None else entered(replica_seed(base, replica_id), timeout)
 
 
 @contextlib.contextmanager
@@ -327,14 +336,16 @@ def _swap(op: Any, draws: Callable[[tuple, dict], bool]) -> Callable[..., Any]:
 
 
 def _acquire(waiter: str) -> None:
+    """Takes the default generator's lock within the running strategy's timeout."""
     if _swap_lock.acquire(blocking=False):
         return
-    seconds = settings.timeout()
+    stream = _local.stream
+    seconds = stream.timeout if stream is not None and stream.timeout is not None else settings.timeout()
     if not _swap_lock.acquire(timeout=seconds):
-        raise TimeoutError(
+        raise CollectiveTimeoutError(
             f"crossreplica: {waiter} waited {seconds:g} s for torch's default generator, which another "
             "thread's random op or torch.compile compilation holds; a compilation that takes longer needs a "
-            "larger CROSSREPLICA_TIMEOUT")
+            "larger timeout (the strategy's timeout_seconds, or CROSSREPLICA_TIMEOUT)")
 
 
 def _compile_started(*_: Any) -> None:

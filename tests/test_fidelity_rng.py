@@ -325,9 +325,17 @@ def test_a_swap_that_cannot_get_the_default_generator_times_out(monkeypatch):
     strategy = cr.MirroredStrategy(num_replicas=2)
     assert random_streams._swap_lock.acquire(timeout=5)
     try:
-        with pytest.raises(TimeoutError, match=r"random op without a generator argument .* waited 0.3 s .* "
-                                               r"torch.compile compilation holds.*CROSSREPLICA_TIMEOUT"):
+        with pytest.raises(cr.errors.CollectiveTimeoutError,
+                           match=r"random op without a generator argument .* waited 0.3 s .* "
+                                 r"torch.compile compilation holds.*CROSSREPLICA_TIMEOUT"):
             strategy.run(lambda: torch.native_dropout(torch.ones(8), 0.5, True))
+        # the strategy's own timeout bounds it (not the environment's 300 s default)
+        monkeypatch.delenv("CROSSREPLICA_TIMEOUT")
+        start = time.monotonic()
+        with pytest.raises(cr.errors.CollectiveTimeoutError, match=r"waited 0.2 s .*the strategy's timeout_seconds"):
+            cr.MirroredStrategy(num_replicas=2, timeout_seconds=0.2).run(
+                lambda: torch.native_dropout(torch.ones(8), 0.5, True))
+        assert time.monotonic() - start < 5
     finally:
         random_streams._swap_lock.release()
     torch.manual_seed(SEED)  # and the lock works again

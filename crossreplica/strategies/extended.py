@@ -328,7 +328,7 @@ class StrategyExtended:
                 torch.set_num_threads(threads)
             context.push(strategy, rctx)
             try:
-                with torch_state.applied(state), replica_stream(base, ids[i]):
+                with torch_state.applied(state), replica_stream(base, ids[i], self.timeout):
                     call = (functools.partial(fn, *a, **kw) if micro is None
                             else functools.partial(micro, fn, i, rctx))
                     if devices[i].type == "cuda":

@@ -163,10 +163,11 @@ def _loop(fn: Callable[[Any], Any], elements: list[Any], bases: list[int] | None
     With ``bases``, step ``k`` draws from the stream one ``strategy.run`` that drew
     ``bases[k]`` would give this replica, so dropout trains as one run per step.
     """
-    rid = context.require_replica_context("strategy.experimental_run_steps").replica_id_in_sync_group
+    rctx = context.require_replica_context("strategy.experimental_run_steps")
+    rid, timeout = rctx.replica_id_in_sync_group, rctx.strategy.extended.timeout
     out = None
     for k, element in enumerate(elements):
-        with replica_stream(None if bases is None else bases[k], rid):
+        with replica_stream(None if bases is None else bases[k], rid, timeout):
             out = fn(element)
     return out
 
