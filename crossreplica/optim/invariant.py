@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .. import torch_private as tp
 from ..collectives.tree import tree_all_sum
 from ..errors import summarize
 from ..micro_batches import MicroBatch, PendingGradients, leaf_value, nothing_like
@@ -101,7 +102,7 @@ _deferred: "weakref.WeakKeyDictionary[Any, tuple[int, int, tuple]]" = weakref.We
 def _hyperparameters(opt: "CrossShardOptimizer") -> tuple:
     """The wrapped optimizer's hyperparameters, comparable without reading a device (a
     tensor's identity and version stand for its value)."""
-    return tuple(tuple((k, (id(v), v._version) if isinstance(v, torch.Tensor) else v)
+    return tuple(tuple((k, (id(v), tp.tensor_version(v)) if isinstance(v, torch.Tensor) else v)
                        for k, v in g.items() if k != "params") for g in opt._optimizer.param_groups)
 
 
