@@ -13,10 +13,14 @@ replicas or more the reduction is the ordered (deterministic) one, along the
 chain of hosts (``engines/torch_dist/chain.py``); for comparison, the same
 without pipelining (the chain's slices in one piece), the ordered all-reduce
 it replaces (``ordered.py``), and the backend's ring (``ordered_reductions=False``,
-not deterministic across layouts). Medians over the steps after warm-up, and
+not deterministic across layouts). Compressed reductions: ours with
+``compression=torch.bfloat16`` (after backward and overlapped) against DDP with its
+``bf16_compress_hook`` registered (``fp16_compress_hook`` where the backend has no
+bfloat16; the row's name says which ran). Medians over the steps after warm-up, and
 the bytes each step sent across hosts (the hosts' ``eth0`` transmit counters,
 ``/proc/net/dev``, summed over both hosts; the store's and barrier's small
-messages included). ``--parts`` times what the step is made of instead.
+messages included). ``--parts`` times what the step is made of instead (also in
+bfloat16: the link, the chain, the ring and the casts).
 Needs root (``crossreplica.testing.hosts.available``).
 """
 
@@ -36,6 +40,8 @@ from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DROPPED = 3  # first steps left out of the medians (warm-up)
+COMPRESSED = "crossreplica bf16 compression, after backward"
+COMPRESSED_OVERLAP = "crossreplica bf16 compression, overlap=True"
 
 
 def tx_bytes() -> int:
@@ -71,6 +77,7 @@ def worker(steps: int, width: int, rows: int) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
     import crossreplica as cr
@@ -83,9 +90,11 @@ def worker(steps: int, width: int, rows: int) -> None:
     engine = strategy.extended.engine
     loss_fn = torch.nn.functional.cross_entropy
 
-    def ours(overlap: bool, **engine_settings: Any) -> tuple[nn.Module, Callable[[Any, Any], None]]:
+    def ours(overlap: bool, compression: Any = None,
+             **engine_settings: Any) -> tuple[nn.Module, Callable[[Any, Any], None]]:
         net = mlp(width)
-        opt = cr.CrossShardOptimizer(torch.optim.SGD(net.parameters(), lr=0.01), overlap=overlap)
+        opt = cr.CrossShardOptimizer(torch.optim.SGD(net.parameters(), lr=0.01), overlap=overlap,
+                                     compression=compression)
 
         def step_fn(x: Any, y: Any) -> None:
             opt.zero_grad()
@@ -116,17 +125,42 @@ def worker(steps: int, width: int, rows: int) -> None:
         loss_fn(ddp(x), y).backward()
         dopt.step()
 
-    nets: dict[str, nn.Module] = {"torch DDP": ddp.module}
-    variants: dict[str, Callable[[Any, Any], None]] = {"torch DDP": ddp_step}
-    sides = [("crossreplica, reduce after backward", False, {}), ("crossreplica, overlap=True", True, {})]
+    # DDP's bfloat16 hook where the backend reduces bfloat16 (gloo does on torch 2.13), else its float16 one.
+    # DDP refuses a hook named bf16_compress_hook without CUDA and NCCL (a check of the name alone), so
+    # torch's hook is registered under another name: the same function runs, on gloo.
+    try:
+        dist.all_reduce(torch.zeros(1, dtype=torch.bfloat16))
+        hook_name, torch_hook = "bf16_compress_hook", default_hooks.bf16_compress_hook
+    except (RuntimeError, ValueError, TypeError):
+        hook_name, torch_hook = "fp16_compress_hook", default_hooks.fp16_compress_hook
+
+    def hook(state, bucket):  # type: ignore[no-untyped-def]  # unannotated: DDP checks the annotations
+        return torch_hook(state, bucket)
+
+    ddp_hooked = DistributedDataParallel(mlp(width))
+    ddp_hooked.register_comm_hook(None, hook)
+    hopt = torch.optim.SGD(ddp_hooked.parameters(), lr=0.01)
+
+    def hooked_step(x: Any, y: Any) -> None:
+        hopt.zero_grad()
+        loss_fn(ddp_hooked(x), y).backward()
+        hopt.step()
+
+    hooked = f"torch DDP + {hook_name}"
+    nets: dict[str, nn.Module] = {"torch DDP": ddp.module, hooked: ddp_hooked.module}
+    variants: dict[str, Callable[[Any, Any], None]] = {"torch DDP": ddp_step, hooked: hooked_step}
+    bf16 = torch.bfloat16
+    sides: list[tuple[str, bool, Any, dict[str, Any]]] = [
+        ("crossreplica, reduce after backward", False, None, {}), ("crossreplica, overlap=True", True, None, {}),
+        (COMPRESSED, False, bf16, {}), (COMPRESSED_OVERLAP, True, bf16, {})]
     if world > 2:  # the ordered path (3 replicas or more)
-        sides += [("  chain in one piece (no pipelining), after backward", False, {"piece_bytes": 0}),
-                  ("  before: ordered.py, after backward", False, {"chain_reductions": False}),
-                  ("  before: ordered.py, overlap=True", True, {"chain_reductions": False}),
-                  ("  backend ring (ordered_reductions=False), after backward", False,
+        sides += [("  chain in one piece (no pipelining), after backward", False, None, {"piece_bytes": 0}),
+                  ("  before: ordered.py, after backward", False, None, {"chain_reductions": False}),
+                  ("  before: ordered.py, overlap=True", True, None, {"chain_reductions": False}),
+                  ("  backend ring (ordered_reductions=False), after backward", False, None,
                    {"ordered_reductions": False})]
-    for name, overlap, settings in sides:
-        nets[name], variants[name] = ours(overlap, **settings)
+    for name, overlap, compression, settings in sides:
+        nets[name], variants[name] = ours(overlap, compression, **settings)
     times: dict[str, list[float]] = {k: [] for k in variants}
     sent: dict[str, list[int]] = {k: [] for k in variants}
     for s in range(steps):
@@ -156,9 +190,16 @@ def worker(steps: int, width: int, rows: int) -> None:
                   f"{cross[name] / cross['torch DDP']:.2f} |")
         ref = nets["crossreplica, reduce after backward"]
         same = {name: all(torch.equal(a, b) for a, b in zip(ref.parameters(), net.parameters()))
-                for name, net in nets.items() if name != "torch DDP" and "ring" not in name}
+                for name, net in nets.items() if not name.startswith("torch DDP") and "ring" not in name
+                and name not in (COMPRESSED, COMPRESSED_OVERLAP)}
         print("final parameters bitwise those of reduce after backward: "
               + ", ".join(f"{name.strip()}: {'yes' if ok else 'NO'}" for name, ok in same.items()), flush=True)
+        compressed_same = all(torch.equal(a, b) for a, b in zip(nets[COMPRESSED].parameters(),
+                                                                nets[COMPRESSED_OVERLAP].parameters()))
+        best = min(statistics.median(times[name][DROPPED:]) for name in (COMPRESSED, COMPRESSED_OVERLAP))
+        print(f"bf16 compression, the faster of its two rows: {best / base:.2f}x torch DDP, "
+              f"{best / statistics.median(times[hooked][DROPPED:]):.2f}x {hooked}; its overlapped parameters bitwise "
+              f"those after backward: {'yes' if compressed_same else 'NO'}", flush=True)
     strategy.close()
     exit_now()
 
@@ -194,11 +235,28 @@ def parts(width: int, rows: int, reps: int = 7) -> None:
         for work in sends:
             work.wait()
 
+    narrow = vector.to(torch.bfloat16)
+    from crossreplica.reduce_op import compress, decompress
+
+    def link_narrow() -> None:
+        half16 = narrow[: narrow.numel() // per_host]
+        sends = [dist.isend(half16, peer), dist.irecv(torch.empty_like(half16), peer)]
+        for work in sends:
+            work.wait()
+
+    def casts() -> None:  # what compression adds on each worker: the cast down, and back up
+        decompress(compress(vector, torch.bfloat16, 4.0), torch.float32, 4.0, 4, out=vector)
+
     timed = {"forward + backward": backward,
              f"the link's floor: {half.numel() * 4 / 2**20:.2f} MiB each way between owners, all at once": link,
              f"the chain alone ({vector.numel() * 4 / 2**20:.1f} MiB)":
                  lambda: chain.reduce_vectors(engine, hosts, cr.ReduceOp.SUM, [vector]),
-             "DDP's ring alone (gloo all_reduce)": lambda: dist.all_reduce(vector.clone())}
+             "DDP's ring alone (gloo all_reduce)": lambda: dist.all_reduce(vector.clone()),
+             f"bf16: the link's floor ({half.numel() * 2 / 2**20:.2f} MiB each way)": link_narrow,
+             f"bf16: the chain alone ({narrow.numel() * 2 / 2**20:.1f} MiB)":
+                 lambda: chain.reduce_vectors(engine, hosts, cr.ReduceOp.SUM, [narrow]),
+             "bf16: DDP's ring alone (gloo all_reduce)": lambda: dist.all_reduce(narrow.clone()),
+             "bf16: the casts down and back up of the whole gradient": casts}
     medians = {}
     for name, fn in timed.items():
         times = []

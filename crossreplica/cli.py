@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from . import launch as launch_module
-from .demo import STRATEGIES, TrainConfig, TrainResult, train
+from .demo import COMPRESSIONS, STRATEGIES, TrainConfig, TrainResult, train
 from .fault_tolerance import FencedOutError
 from .logs import LOGGER_NAME
 from .version import __version__
@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(counted from 1 over all epochs) starts")
     train.add_argument("--freeze-worker-at-step", metavar="RANK:STEP", type=_rank_step, default=None,
                        help="failure injection: worker RANK freezes itself (SIGSTOP) as training step STEP starts")
+    train.add_argument("--compression", choices=sorted(COMPRESSIONS), default=None,
+                       help="the gradients cross the wire in this dtype (CrossShardOptimizer(compression=...); "
+                            "pays across hosts; not with --layout-invariant); default: their own")
     train.add_argument("--log-level", choices=_LOG_LEVELS, type=str.upper, default=None,
                        help="write crossreplica's log records at this level and above to stderr (set-up "
                             "at INFO, slow collectives and failures at WARNING/ERROR); default: none")
@@ -181,6 +184,12 @@ def _check_train(args: argparse.Namespace) -> None:
     if args.replicas_per_worker is not None and strategy != "multi_worker":
         _usage_error(prog, f"--replicas-per-worker applies to --strategy multi_worker; --strategy {strategy} ignores "
                            f"it: use --replicas for in-process replicas, or add --strategy multi_worker")
+    if args.compression is not None and args.layout_invariant:
+        _usage_error(prog, f"--compression {args.compression} cannot be used with --layout-invariant: the mode "
+                           f"promises the same bits on every layout; drop one of them")
+    if args.compression is not None and strategy == "one_device":
+        _usage_error(prog, "--compression compresses the reduction between replicas; --strategy one_device has none "
+                           "to compress: drop it, or use --strategy mirrored")
     if args.micro_batches is not None and not args.layout_invariant:
         _usage_error(prog, "--micro-batches applies to the layout-invariant mode only: add --layout-invariant, or "
                            "drop --micro-batches")
@@ -198,7 +207,7 @@ def _train(args: argparse.Namespace) -> int:
                          micro_batches=micro_batches if args.layout_invariant else None,
                          save_params=args.save_params, fault_tolerant=args.fault_tolerant,
                          kill_worker_at_step=args.kill_worker_at_step,
-                         freeze_worker_at_step=args.freeze_worker_at_step)
+                         freeze_worker_at_step=args.freeze_worker_at_step, compression=args.compression)
     try:
         config.validate()
     except ValueError as e:  # the options parsed, but do not combine

@@ -49,7 +49,7 @@ from .collectives import all_reduce as engine_all_reduce
 from .devices import canonical_device
 from .packing import DEFAULT_BYTES_PER_PACK, flatten_pack, plan_packs
 from .timeouts import canonical_timeout
-from .reduce_op import ReduceOp, check_dtype, reduce_non_distributed_value
+from .reduce_op import ReduceOp, canonical_compression, check_dtype, compresses, reduce_non_distributed_value
 from .values import DistributedValues, Mirrored, PerReplica
 from .errors import summarize
 from .replica_reduce import all_reduce_in_replica
@@ -62,6 +62,7 @@ __all__ = [
     "AllReduceCrossDeviceOps",
     "Reducer",
     "as_mirrored",
+    "compression_of",
     "get_devices_from",
 ]
 
@@ -76,18 +77,36 @@ class CommunicationOptions:
             raising CollectiveTimeoutError naming them (None: the strategy's
             timeout). In a replica context it bounds the replicas' meeting and
             the cross-process reduction; in cross-replica context the latter.
+        compression: None, ``torch.bfloat16`` or ``torch.float16``: SUM and MEAN
+            reductions of floating-point tensors wider than that dtype cross the wire
+            in it (``reduce_op.compress``; what it does to the bits: docs/optimizers.md,
+            "Compression"). Other ops and dtypes travel as they are. For
+            ``extended.reduce_to`` / ``batch_reduce_to``, ``ReplicaContext.all_reduce``
+            and ``CrossShardOptimizer(communication_options=...)``.
     """
 
-    __slots__ = ("bytes_per_pack", "timeout_seconds")
+    __slots__ = ("bytes_per_pack", "compression", "timeout_seconds")
 
-    def __init__(self, bytes_per_pack: int = 0, timeout_seconds: float | None = None):
+    def __init__(self, bytes_per_pack: int = 0, timeout_seconds: float | None = None,
+                 compression: torch.dtype | None = None):
         self.bytes_per_pack = check_int(bytes_per_pack, "bytes_per_pack", low=0, hint=" (0: automatic)")
         self.timeout_seconds = (None if timeout_seconds is None
                                 else canonical_timeout(timeout_seconds, "timeout_seconds"))
+        self.compression = canonical_compression(compression)
+
+    def with_compression(self, compression: torch.dtype | None) -> CommunicationOptions:
+        """A copy of these options with ``compression`` instead of theirs."""
+        return CommunicationOptions(self.bytes_per_pack, self.timeout_seconds, compression)
 
     def __repr__(self) -> str:
+        shown = f", compression={self.compression}" if self.compression is not None else ""
         return (f"CommunicationOptions(bytes_per_pack={self.bytes_per_pack}, "
-                f"timeout_seconds={self.timeout_seconds})")
+                f"timeout_seconds={self.timeout_seconds}{shown})")
+
+
+def compression_of(options: Any) -> torch.dtype | None:
+    """The compression ``options`` ask for (None for no options, or options without one)."""
+    return getattr(options, "compression", None)
 
 
 # --------------------------------------------------------------------------- destinations
@@ -153,8 +172,10 @@ class Reducer(Protocol):
     @property
     def num_replicas_in_sync(self) -> int: ...
 
-    def reduce_values(self, op: ReduceOp, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Reduces one tensor per local replica over every replica in sync, in replica order."""
+    def reduce_values(self, op: ReduceOp, tensors: Sequence[torch.Tensor], *,
+                      compression: torch.dtype | None = None) -> torch.Tensor:
+        """Reduces one tensor per local replica over every replica in sync, in replica order;
+        ``compression``: the narrow dtype a SUM or MEAN crosses the wire in (``reduce_op.compress``)."""
         ...
 
     def gather_values(self, tensors: Sequence[torch.Tensor], axis: int) -> torch.Tensor:
@@ -178,6 +199,16 @@ def _check_options(options: Any) -> "CommunicationOptions":
     if not isinstance(options, CommunicationOptions):
         raise ValueError(f"options must be a cr.CommunicationOptions or None; got {summarize(options)}")
     return options
+
+
+def _reduce_values(reducer: Reducer, op: ReduceOp, values: Sequence[torch.Tensor], options: Any) -> torch.Tensor:
+    """``reducer.reduce_values``, compressed where ``options`` ask for it and the op and dtype
+    compress (SUM or MEAN of dense floating-point tensors wider than the compression)."""
+    compression = compression_of(options)
+    if (compression is not None and (op is ReduceOp.SUM or op is ReduceOp.MEAN) and values[0].layout is torch.strided
+            and compresses(values[0].dtype, compression)):
+        return reducer.reduce_values(op, values, compression=compression)
+    return reducer.reduce_values(op, values)
 
 
 def _local_values(value: Any, argname: str) -> list[torch.Tensor]:
@@ -394,6 +425,11 @@ class ReductionToOneDevice(CrossDeviceOps):
         target = self.reduce_to_device or devices[0]
         local = [v.to(target) for v in values]
         if self.accumulation_fn is not None and reduce_op in (ReduceOp.SUM, ReduceOp.MEAN):
+            if compression_of(options) is not None:
+                raise ValueError(
+                    f"CommunicationOptions(compression={compression_of(options)}) cannot apply to "
+                    f"ReductionToOneDevice(accumulation_fn=...): your function gets every replica's value whole; "
+                    f"leave compression out, or drop accumulation_fn (the strategy's reduction compresses)")
             if reducer.num_replicas_in_sync > len(local):
                 # Other workers hold the other values: every worker gathers them all, in
                 # replica order, and accumulates them on its reduce_to_device.
@@ -405,7 +441,7 @@ class ReductionToOneDevice(CrossDeviceOps):
             if reduce_op is ReduceOp.MEAN:
                 out = out / len(local)
         else:
-            out = reducer.reduce_values(reduce_op, local)
+            out = _reduce_values(reducer, reduce_op, local, options)
         return _copies(out, devices)
 
     def __repr__(self) -> str:
@@ -425,19 +461,20 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
                               devices: tuple[torch.device, ...], options: CommunicationOptions | None,
                               reducer: Reducer | None = None) -> Mirrored:
         values, devices, reducer = _impl_args(values, devices, reducer)
-        return _copies(reducer.reduce_values(reduce_op, values), devices)
+        return _copies(_reduce_values(reducer, reduce_op, values, options), devices)
 
     def replica_reductions_on_engine(self, options: CommunicationOptions | None = None) -> bool:
         # A subclass may change the arithmetic: only this class is the engine's all-reduce.
+        # (Compression is the caller's: CrossShardOptimizer compresses its engine calls itself.)
         return type(self) is AllReduceCrossDeviceOps and (options is None or options.timeout_seconds is None)
 
     def replica_all_reduce(self, reduce_op: ReduceOp | str, value: Any,
                            options: CommunicationOptions | None = None) -> Any:
-        """The engine's all-reduce (``cr.all_reduce``), unless a subclass or a timeout
-        needs the merge_call path; the same numbers either way."""
+        """The engine's all-reduce (``cr.all_reduce``), unless a subclass, a timeout or a
+        compression needs the merge_call path; the same numbers either way."""
         if options is not None:
             _check_options(options)
-        if self.replica_reductions_on_engine(options):
+        if self.replica_reductions_on_engine(options) and compression_of(options) is None:
             return engine_all_reduce(value, reduce_op)
         return super().replica_all_reduce(reduce_op, value, options)
 
@@ -460,10 +497,10 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
                 for r in range(n_local))
             if len(pack) == 1 or not same_devices:
                 for i in pack:
-                    reduced[i] = reducer.reduce_values(reduce_op, pairs[i][0])
+                    reduced[i] = _reduce_values(reducer, reduce_op, pairs[i][0], options)
                 continue
             flats = [flatten_pack([pairs[i][0][r] for i in pack]) for r in range(n_local)]
-            out = reducer.reduce_values(reduce_op, flats)
+            out = _reduce_values(reducer, reduce_op, flats, options)
             offset = 0
             for i in pack:
                 n = firsts[i].numel()

@@ -37,8 +37,8 @@ from .micro_batches import LayoutInvariant
 from .optim import CrossShardOptimizer
 from .strategies import MirroredStrategy, MultiWorkerMirroredStrategy, OneDeviceStrategy, Strategy
 
-__all__ = ["TrainConfig", "EpochStats", "default_replicas", "TrainResult", "STRATEGIES", "load_digits", "make_model",
-           "make_strategy", "global_batches", "train", "train_reference"]
+__all__ = ["COMPRESSIONS", "TrainConfig", "EpochStats", "default_replicas", "TrainResult", "STRATEGIES", "load_digits",
+           "make_model", "make_strategy", "global_batches", "train", "train_reference"]
 
 
 def _cores() -> int:
@@ -59,6 +59,10 @@ def default_replicas() -> int:
     slowly as 2 (BENCHMARKS.md, "Demo model on 1, 2 and 4 replicas").
     """
     return min(4, max(2, _cores()))
+
+
+#: the demo's compression names -> the dtype its gradients cross the wire in
+COMPRESSIONS = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclasses.dataclass
@@ -83,6 +87,7 @@ class TrainConfig:
     fault_tolerant: bool = False  # multi_worker: survive lost workers (cr.FaultTolerance)
     kill_worker_at_step: tuple[int, int] | None = None  # (worker, step): it exits abruptly as that step starts
     freeze_worker_at_step: tuple[int, int] | None = None  # (worker, step): it stops itself (SIGSTOP) there
+    compression: str | None = None  # "bfloat16" / "float16": the gradients cross the wire in it (CrossShardOptimizer)
 
     def validate(self) -> None:
         for name in ("replicas", "epochs", "batch_size", "hidden", "replicas_per_worker"):
@@ -99,6 +104,11 @@ class TrainConfig:
             raise ValueError(f"threads must be a positive int or None; got {self.threads!r}")
         if self.fault_tolerant and self.strategy != "multi_worker":
             raise ValueError(f"fault_tolerant needs strategy='multi_worker'; got strategy={self.strategy!r}")
+        if self.compression is not None and self.compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {sorted(COMPRESSIONS)} or None; got {self.compression!r}")
+        if self.compression is not None and self.micro_batches is not None:
+            raise ValueError(f"compression={self.compression!r} cannot be used in the layout-invariant mode (its "
+                             f"promise is the same bits on every layout); drop one of them")
         for name in ("kill_worker_at_step", "freeze_worker_at_step"):
             at = getattr(self, name)
             if at is not None and (len(at) != 2 or at[0] < 0 or at[1] < 1):
@@ -261,7 +271,8 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
     log = lambda line: (report(line) if strategy.extended.input_pipeline_id == 0  # noqa: E731
                         and not getattr(strategy.extended, "joining", False) else None)
     log(f"crossreplica train: {config.strategy} strategy, {n} replica(s) in sync, {config.epochs} "
-        f"epochs, global batch {config.batch_size}, lr {config.lr}, seed {config.seed}")
+        f"epochs, global batch {config.batch_size}, lr {config.lr}, seed {config.seed}"
+        + (f", gradients compressed to {config.compression}" if config.compression is not None else ""))
     saved_threads, saved_rng = torch.get_num_threads(), torch.get_rng_state()
     if config.threads is not None:  # the strategy gives each local replica an equal share of this thread's
         torch.set_num_threads(config.threads * len(strategy.extended.local_replica_ids))
@@ -272,7 +283,9 @@ def train(config: TrainConfig | None = None, log: Callable[[str], None] | None =
     history = []
     try:
         model = strategy.mirror(net)
-        opts = strategy.run(lambda m: CrossShardOptimizer(_make_optimizer(m, config)), args=(model,))
+        compression = None if config.compression is None else COMPRESSIONS[config.compression]
+        opts = strategy.run(lambda m: CrossShardOptimizer(_make_optimizer(m, config), compression=compression),
+                            args=(model,))
         # A worker started with CROSSREPLICA_JOIN joins the running job here, with its state.
         ft = FaultTolerance(strategy, (model, opts)) if config.fault_tolerant else None  # type: ignore[arg-type]
         # The injectors name a worker as launched (a joining worker has a new identity).

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from .errors import summarize
 
-__all__ = ["WIRE_DTYPES", "ReduceOp", "all_finite", "from_wire", "mean_scale", "to_wire", "wire_dtype"]
+__all__ = ["COMPRESSION_DTYPES", "WIRE_DTYPES", "ReduceOp", "all_finite", "canonical_compression", "compress",
+           "compresses", "compression_scale", "decompress", "from_wire", "mean_scale", "to_wire", "wire_dtype"]
 
 
 class ReduceOp(enum.Enum):
@@ -206,3 +207,76 @@ def all_finite(t: torch.Tensor) -> bool:
     if cmath.isfinite(t.sum().item()):
         return True
     return cmath.isfinite((t * 0).sum().item())  # 0 for finite elements, nan for inf and nan
+
+
+# --------------------------------------------------------------------------- compressed reductions
+#
+# ``compression=torch.bfloat16 | torch.float16`` (CrossShardOptimizer, CommunicationOptions):
+# a SUM or MEAN of floating-point tensors wider than that dtype crosses the wire in it.
+# Each replica's tensor is divided by a power of two 2**k >= n (n: the replicas reduced),
+# rounded once to the narrow dtype (:func:`compress`), and the engine sums the narrow
+# tensors as they are: every addition a transport makes (a fold's step, a ring's hop)
+# adds in float32 and rounds to the narrow dtype. The result is widened back, multiplied
+# by 2**k and, for MEAN, divided by n, in the caller's dtype (:func:`decompress`). The
+# power of two is exact and keeps float16's partial sums in range: inputs within
+# float16's range (|x| <= 65504) cannot overflow on the wire. docs/optimizers.md,
+# "Compression", says which layouts agree with which.
+
+#: The dtypes a reduction may be compressed to.
+COMPRESSION_DTYPES = (torch.bfloat16, torch.float16)
+_COMPRESSION_NAMES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+                      "fp16": torch.float16, "half": torch.float16}
+
+
+def canonical_compression(compression: Any, argname: str = "compression") -> torch.dtype | None:
+    """``compression`` checked: None, ``torch.bfloat16`` or ``torch.float16``; anything else
+    is an error naming ``argname`` and the value."""
+    if compression is None or (isinstance(compression, torch.dtype) and compression in COMPRESSION_DTYPES):
+        return compression
+    expected = f"{argname} must be None, torch.bfloat16 or torch.float16 (the dtype gradients cross the wire in)"
+    if isinstance(compression, torch.dtype):
+        raise ValueError(f"{expected}; got {compression}")
+    hint = ""
+    if isinstance(compression, str) and compression.lower() in _COMPRESSION_NAMES:
+        hint = f"; pass the dtype itself: {argname}={_COMPRESSION_NAMES[compression.lower()]}"
+    elif "compression" in type(compression).__name__.lower() or "compressor" in type(compression).__name__.lower():
+        hint = (f"; Horovod's hvd.Compression.fp16 is {argname}=torch.float16 (torch.bfloat16 keeps float32's "
+                f"range)")
+    raise TypeError(f"{expected}; got {type(compression).__name__}: {summarize(compression)}{hint}")
+
+
+def compresses(dtype: torch.dtype, compression: torch.dtype | None) -> bool:
+    """Whether a SUM or MEAN of ``dtype`` is compressed to ``compression``: floating point
+    and wider than it (tensors already that narrow, and other dtypes, travel as they are)."""
+    return compression is not None and dtype.is_floating_point and dtype.itemsize > compression.itemsize
+
+
+def compression_scale(n: int) -> float:
+    """The power of two ``2**k >= n`` a compressed reduction of ``n`` values divides them by
+    (1 for a single value)."""
+    return float(1 << (n - 1).bit_length()) if n > 1 else 1.0
+
+
+def compress(t: torch.Tensor, compression: torch.dtype, scale: float) -> torch.Tensor:
+    """``t / scale`` rounded once to ``compression`` (a new tensor; scaled first, in ``t``'s
+    dtype, so float16 never sees the unscaled value): one pass, the product rounded to
+    ``compression`` as it is stored."""
+    if scale == 1.0:
+        return t.to(compression)
+    return torch.mul(t, 1.0 / scale, out=torch.empty(t.shape, dtype=compression, device=t.device))
+
+
+def decompress(narrow: torch.Tensor, dtype: torch.dtype, scale: float, divisor: int | None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse of :func:`compress` for a reduced ``narrow`` tensor: widened to ``dtype``,
+    times ``scale``, divided by ``divisor`` (a MEAN's count; None for SUM), in that order,
+    written into ``out`` when given (else a new tensor). A mean over a power of two, whose
+    ``divisor`` is ``scale``, skips both: the same bits wherever ``wide * scale`` is finite."""
+    wide = out.copy_(narrow) if out is not None else narrow.to(dtype)
+    if divisor is not None and float(divisor) == scale:
+        return wide
+    if scale != 1.0:
+        wide.mul_(scale)
+    if divisor is not None:
+        wide.div_(divisor)
+    return wide

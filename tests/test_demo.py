@@ -1,6 +1,7 @@
 """The demo trains end to end and matches one-device training."""
 
 import pytest
+import torch
 
 from crossreplica import cli, demo
 
@@ -18,6 +19,23 @@ def test_train_matches_one_device(strategy, replicas, dropout):
     assert result.max_abs_param_diff is not None and result.max_abs_param_diff < 1e-4
     assert result.history[-1].test_acc > 0.7  # digits are easy
     assert result.history[-1].test_acc == pytest.approx(result.reference_test_acc, abs=0.01)
+
+
+@pytest.mark.parametrize("compression", ["bfloat16", "float16"])
+def test_compressed_gradients_train_as_well(compression):
+    # The demo's default 10 epochs on 4 replicas: the test accuracy with the gradients
+    # compressed within 0.5 percentage points of the uncompressed run's.
+    plain = demo.train(demo.TrainConfig(replicas=4, progress=False, compare=False), log=None)
+    ours = demo.train(demo.TrainConfig(replicas=4, progress=False, compare=False, compression=compression), log=None)
+    assert ours.replicas_identical
+    assert ours.history[-1].test_acc == pytest.approx(plain.history[-1].test_acc, abs=0.005)
+    assert plain.history[-1].test_acc > 0.9
+    # compressed for real: the final parameters are not the uncompressed run's
+    assert any(not torch.equal(a, b) for a, b in zip(ours.model.parameters(), plain.model.parameters()))
+    for refused in (["--layout-invariant"], ["--strategy", "one_device"]):  # nothing it could compress
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["train", "--compression", compression, *refused])
+        assert exit_info.value.code == 2
 
 
 def test_tiny_batches_leave_replicas_without_rows():

@@ -18,7 +18,7 @@ from ..cross_device_ops import CommunicationOptions
 from ..errors import summarize
 from ..groups import Groups, group_of, resolve_groups
 from ..packing import DEFAULT_BYTES_PER_PACK, PackedBuffers
-from ..reduce_op import ReduceOp
+from ..reduce_op import ReduceOp, canonical_compression
 from . import invariant
 from .amp import reduce_before_scaler, unscale_or_skip
 from .guards import GradientEdits, check_owner, exempt
@@ -124,6 +124,13 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         communication_options: a ``cr.CommunicationOptions``; a non-zero
             ``bytes_per_pack`` replaces the argument of that name; ``timeout_seconds``
             bounds each reduction (through the strategy's cross_device_ops, ``routing.py``).
+        compression: None, ``torch.bfloat16`` or ``torch.float16`` (Horovod's ``Compression.fp16``,
+            DDP's ``bf16_compress_hook``): floating-point gradients wider than that dtype cross
+            the wire in it, each addition of the reduction rounded to it, and come back in
+            their own dtype (docs/optimizers.md, "Compression": what it does to the bits).
+            The closure's loss, the weights and sparse gradients travel as they are. Or
+            ``communication_options.compression``. Not with ``shard_optimizer_state`` nor
+            in the layout-invariant mode.
         backward_passes_per_step: Horovod's argument: ``step()`` comes after this many
             backward passes, whose gradients accumulate locally and are reduced once.
             With ``overlap=True`` every backward pass but the k-th since the last
@@ -134,14 +141,16 @@ class CrossShardOptimizer(torch.optim.Optimizer):
     Raises:
         TypeError: ``optimizer`` is not a torch optimizer.
         ValueError: ``reduction`` is not mean/sum, or ``bytes_per_pack`` or
-            ``backward_passes_per_step`` is not a positive int.
+            ``backward_passes_per_step`` is not a positive int, or ``compression`` is another
+            dtype than bfloat16 / float16 (a TypeError when it is no dtype).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, reduction: ReduceOp | str = "mean",
                  name: str | None = None, group_assignment: Any = None,
                  bytes_per_pack: int = DEFAULT_BYTES_PER_PACK, *,
                  overlap: bool = False, shard_optimizer_state: bool = False,
-                 communication_options: CommunicationOptions | None = None, backward_passes_per_step: int = 1):
+                 communication_options: CommunicationOptions | None = None, backward_passes_per_step: int = 1,
+                 compression: torch.dtype | None = None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer (e.g. torch.optim.SGD(model.parameters(), "
@@ -155,6 +164,17 @@ class CrossShardOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"communication_options must be a cr.CommunicationOptions; got "
                                 f"{type(communication_options).__name__}: {summarize(communication_options)}")
             bytes_per_pack = communication_options.bytes_per_pack or bytes_per_pack
+        compression = canonical_compression(compression)
+        if communication_options is not None and communication_options.compression is not None:
+            if compression is not None and compression != communication_options.compression:
+                raise ValueError(
+                    f"compression={compression} and communication_options.compression="
+                    f"{communication_options.compression} disagree; pass one of them")
+            compression = communication_options.compression
+        if compression is not None and shard_optimizer_state:
+            raise ValueError(
+                f"compression={compression} is not supported with shard_optimizer_state=True (the sharded update "
+                f"reduce-scatters the gradients in their own dtype); leave one of them out")
         for flag_name, flag in (("overlap", overlap), ("shard_optimizer_state", shard_optimizer_state)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{flag_name} must be True or False; got {summarize(flag)}")
@@ -169,6 +189,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         self._overlap = overlap
         self._communication_options = communication_options
         self._backward_passes_per_step = int(backward_passes_per_step)
+        self._compression = compression
         self._sharded = ShardedUpdate(optimizer) if shard_optimizer_state else None
         self._groups_cache: tuple[int, Groups] | None = None
         self._pack_cache: tuple[tuple, PackedBuffers] | None = None
@@ -196,6 +217,11 @@ class CrossShardOptimizer(torch.optim.Optimizer):
     @property
     def bytes_per_pack(self) -> int:
         return self._bytes_per_pack
+
+    @property
+    def compression(self) -> torch.dtype | None:
+        """The dtype gradients cross the wire in (None: their own; ``compression=``)."""
+        return self._compression
 
     @property
     def backward_passes_per_step(self) -> int:
@@ -276,7 +302,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
     # hooks (often local functions), caches, the owning replica and an LR scheduler's
     # instance patch of ``step`` stay behind.
     _PICKLED = ("_optimizer", "_reduction", "name", "_group_assignment", "_bytes_per_pack", "_overlap", "_sharded",
-                "_communication_options", "_backward_passes_per_step")
+                "_communication_options", "_backward_passes_per_step", "_compression")
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: self.__dict__[k] for k in self._PICKLED}
@@ -287,6 +313,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         state.setdefault("name", canonical_name(None))
         state.setdefault("_communication_options", None)
         state.setdefault("_backward_passes_per_step", 1)
+        state.setdefault("_compression", None)
         self.__dict__.update(state)
         self._reset_runtime_state()
 
@@ -321,7 +348,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         self._overlapped: OverlappedReduction | None = None
         if self._overlap:
             self._overlapped = OverlappedReduction(params, self._bytes_per_pack, self._reduction, self._groups,
-                                                   self._communication_options)
+                                                   self._communication_options, self._compression)
         # Gradients edited before step() reduces them (the DDP clipping idiom) are a warning;
         # with overlap they are reduced by the end of backward.
         self._edits = GradientEdits([] if self._overlap else params)
@@ -333,6 +360,8 @@ class CrossShardOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         passes = (f", backward_passes_per_step={self._backward_passes_per_step}"
                   if self._backward_passes_per_step > 1 else "")
+        if self._compression is not None:
+            passes += f", compression={self._compression}"
         return (f"CrossShardOptimizer({self._optimizer!r}, reduction={self._reduction}, "
                 f"group_assignment={self._group_assignment!r}, bytes_per_pack={self._bytes_per_pack}{passes})")
 
@@ -372,6 +401,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         if not self._synchronized:
             self._edits.check("step()", self, rctx)
         if rctx.micro_batch is not None:
+            self._check_invariant()
             return invariant.invariant_step(self, rctx.micro_batch, closure, weight)
         if not unscale_or_skip(self, closure, weight):
             return None  # GradScaler found an inf in the reduced gradients: the whole group skips
@@ -456,6 +486,7 @@ class CrossShardOptimizer(torch.optim.Optimizer):
         self._sync_called = True
         self._passes.reset()
         if rctx.micro_batch is not None:
+            self._check_invariant()
             # Folds this micro-batch; the gradients are the step's only in the replica's last one.
             self._synchronized = invariant.synchronize(self, rctx.micro_batch, weight)
             return
@@ -465,6 +496,15 @@ class CrossShardOptimizer(torch.optim.Optimizer):
                 "between; the gradients are already reduced")
         self._reduce_gradients(weight)
         self._synchronized = True
+
+    def _check_invariant(self) -> None:
+        """The layout-invariant mode refuses compression: its fixed tree sums the micro-batches'
+        gradients in float32 on every layout, and a narrow wire would round them per layout."""
+        if self._compression is not None:
+            raise ValueError(
+                f"CrossShardOptimizer(compression={self._compression}) cannot take a layout-invariant step: the "
+                f"mode promises the same bits on every layout, and a compressed reduction rounds its partial sums "
+                f"where each layout adds them; leave compression out (or the strategy's layout_invariant)")
 
     def _groups(self, num_replicas: int) -> Groups:
         cached = self._groups_cache
@@ -564,7 +604,8 @@ class CrossShardOptimizer(torch.optim.Optimizer):
             # is the same sum-then-divide, so bitwise the result of cr.all_reduce(g, "mean").
             op = ReduceOp.MEAN if self._reduction is ReduceOp.MEAN and not weighted else ReduceOp.SUM
             # In place: the packs and large gradients are this replica's own buffers.
-            outs = all_reduce_buffers(rctx, groups, op, buffers, self._communication_options)
+            outs = all_reduce_buffers(rctx, groups, op, buffers, self._communication_options, self._compression,
+                                      len(packed.buffers) if packed is not None else 0)
             if weighted:
                 total_weight = float(outs[-1].item())
                 outs = outs[:-1]

@@ -28,6 +28,10 @@ processes, a shared-memory round between workers of one host, one async
 all-gather per worker for the hierarchical engine, deposited rounds for
 in-process replicas: ``engines/async_rounds.py``); none needs a communication
 thread (BENCHMARKS.md, "Training step: 2 in-process replicas vs one process").
+
+With ``compression``, a bucket's buffer (or its one gradient) goes to the engine
+as a narrow copy (``wire.start_compressed``), and the wait writes the widened
+result back into it: the fused path's compressed bytes.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import torch
 from .. import torch_private as tp
 from ..context import current_replica_context
 from ..engines.base import AllReduceParams, Call, Engine, Kind, Pending
-from ..engines.wire import start_on_wire
+from ..engines.wire import start_compressed, start_on_wire
 from ..groups import Groups, group_of
 from ..reduce_op import ReduceOp
 from .routing import on_engine
@@ -72,8 +76,10 @@ class OverlappedReduction:
     """The buckets and hooks of one CrossShardOptimizer; see the module docstring."""
 
     def __init__(self, params: list[torch.Tensor], bucket_bytes: int, op: ReduceOp,
-                 groups_of: Any, options: CommunicationOptions | None = None):
+                 groups_of: Any, options: CommunicationOptions | None = None,
+                 compression: torch.dtype | None = None):
         self.op = ReduceOp.MEAN if op is ReduceOp.MEAN else ReduceOp.SUM
+        self.compression = compression  # the dtype the buckets cross the wire in (None: their own)
         self._groups_of = groups_of  # num_replicas -> Groups (the optimizer's cache)
         self._options = options  # the optimizer's CommunicationOptions (routing.py)
         self.enabled = True
@@ -172,7 +178,9 @@ class OverlappedReduction:
     def _start(self, bucket: _Bucket, engine: Engine, rid: int, groups: Groups) -> None:
         if bucket.shared is None:  # every replica asks in the same order: bucket order
             first = bucket.params[0]
-            buf = engine.shared_buffer(sum(p.numel() for p in bucket.params), first.dtype, first.device)
+            # A compressed bucket's wire copy is narrow: an engine buffer of its dtype would go unused.
+            buf = (None if self.compression is not None else
+                   engine.shared_buffer(sum(p.numel() for p in bucket.params), first.dtype, first.device))
             bucket.shared = buf is not None
             if buf is not None:
                 bucket.flat = buf
@@ -180,7 +188,7 @@ class OverlappedReduction:
         if len(bucket.params) == 1 and not bucket.shared and grad is not None and grad.is_contiguous():
             call = Call(Kind.ALL_REDUCE, groups, AllReduceParams(self.op, inplace=True), (tuple(grad.shape),),
                         (grad.dtype,))
-            bucket.pending = start_on_wire(engine, rid, call, [grad])
+            bucket.pending = self._start_call(engine, rid, call, grad)
             return
         flat, offset = bucket.flat, 0
         if flat.numel() == 0:
@@ -191,7 +199,12 @@ class OverlappedReduction:
             flat[offset:offset + n].view_as(p).copy_(p.grad)  # type: ignore[arg-type]
             offset += n
         call = Call(Kind.ALL_REDUCE, groups, AllReduceParams(self.op, inplace=True), ((flat.numel(),),), (flat.dtype,))
-        bucket.pending = start_on_wire(engine, rid, call, [flat])
+        bucket.pending = self._start_call(engine, rid, call, flat)
+
+    def _start_call(self, engine: Engine, rid: int, call: Call, t: torch.Tensor) -> Pending:
+        if self.compression is not None:
+            return start_compressed(engine, rid, call, [t], self.compression)
+        return start_on_wire(engine, rid, call, [t])
 
     # ------------------------------------------------------------ after backward
 

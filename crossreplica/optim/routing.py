@@ -9,11 +9,16 @@ subclass) or a timeout, the overlap hooks leave the gradients alone and
 ``step()`` hands the same packs to ``cross_device_ops.replica_all_reduce`` (one
 merge_call), copying the results back in place. A ``group_assignment`` other
 than every replica is the TPU-style ``cross_replica_sum``: always the engine.
+
+With ``compression``, the gradient buffers cross the wire in the narrow dtype
+either way: on the engine through ``wire.execute_compressed``, through the ops
+with ``CommunicationOptions(compression=...)`` (the loss and weight buffers in a
+reduction of their own, uncompressed).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 
@@ -21,12 +26,10 @@ from ..torch_private import foreach_copy_, sparse_indices, sparse_values
 from ..collectives import all_reduce
 from ..context import ReplicaContext
 from ..engines.base import AllReduceParams, Call, Kind
-from ..engines.wire import execute_on_wire
+from ..engines.wire import execute_compressed, execute_on_wire
 from ..groups import Groups
+from ..cross_device_ops import CommunicationOptions
 from ..reduce_op import ReduceOp
-
-if TYPE_CHECKING:
-    from ..cross_device_ops import CommunicationOptions
 
 __all__ = ["all_reduce_buffers", "on_engine", "reduce_sparse_grads"]
 
@@ -41,15 +44,31 @@ def on_engine(rctx: ReplicaContext, groups: Groups, options: CommunicationOption
 
 
 def all_reduce_buffers(rctx: ReplicaContext, groups: Groups, op: ReduceOp, buffers: list[torch.Tensor],
-                       options: CommunicationOptions | None) -> list[torch.Tensor]:
-    """Reduces ``buffers`` (this replica's own) in place over its group; returns them."""
+                       options: CommunicationOptions | None, compression: torch.dtype | None = None,
+                       compressed: int = 0) -> list[torch.Tensor]:
+    """Reduces ``buffers`` (this replica's own) in place over its group; returns them. The
+    first ``compressed`` buffers (the gradients) cross the wire in ``compression`` (if not None)."""
+    if compression is None:
+        compressed = 0
     if on_engine(rctx, groups, options):
         call = Call.of(Kind.ALL_REDUCE, groups, AllReduceParams(op, inplace=True), buffers)
+        if compressed:
+            return execute_compressed(rctx.engine, rctx.replica_id_in_sync_group, call, buffers,
+                                      cast("torch.dtype", compression), compressed)
         return execute_on_wire(rctx.engine, rctx.replica_id_in_sync_group, call, buffers)
     ext = rctx.strategy.extended
-    outs = ext.cross_device_ops.replica_all_reduce(op, buffers, ext.resolve_options(options))
-    with torch.no_grad():
-        foreach_copy_(buffers, outs)
+    resolved = ext.resolve_options(options)
+    if compressed or getattr(resolved, "compression", None) is not None:
+        # The optimizer's own compression, for its gradients only (not a strategy-wide one's).
+        plain = (resolved or CommunicationOptions()).with_compression(None)
+        parts = [(buffers[:compressed], plain.with_compression(compression)), (buffers[compressed:], plain)]
+    else:
+        parts = [(buffers, resolved)]
+    for part, part_options in parts:
+        if part:
+            outs = ext.cross_device_ops.replica_all_reduce(op, part, part_options)
+            with torch.no_grad():
+                foreach_copy_(part, outs)
     return buffers
 
 

@@ -29,7 +29,7 @@ from ..errors import ReplicaContextError, summarize
 from ..input_shards import split_sizes
 from ..micro_batches import LayoutInvariant, PendingGradients, replica_share
 from ..random_streams import draw_base, replica_stream, suspended
-from ..reduce_op import ReduceOp, from_wire, mean_scale, to_wire
+from ..reduce_op import ReduceOp, compress, compresses, compression_scale, decompress, from_wire, mean_scale, to_wire
 from ..values import (
     DistributedValues,
     Mirrored,
@@ -440,11 +440,20 @@ class StrategyExtended:
             out = ops.reduce(op, PerReplica(xs), xs[0].device, options, reducer=self)
         return as_mirrored(out, (xs[0].device,), xs, f"{type(ops).__name__}.reduce").values[0]
 
-    def reduce_values(self, op: ReduceOp, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Reduces one tensor per local replica (in local order) over all replicas in sync."""
+    def reduce_values(self, op: ReduceOp, tensors: Sequence[torch.Tensor], *,
+                      compression: torch.dtype | None = None) -> torch.Tensor:
+        """Reduces one tensor per local replica (in local order) over all replicas in sync;
+        a SUM or MEAN with ``compression`` in that narrow dtype (``reduce_op.compress``)."""
         if tensors[0].layout is not torch.strided:
             return reduce_coo_tensors(op, tensors)  # sparse COO: coalesced, never densified
         device, dtype = tensors[0].device, tensors[0].dtype
+        if compression is not None and op in (ReduceOp.SUM, ReduceOp.MEAN) and compresses(dtype, compression):
+            # As the engines reduce a compressed call: the narrow values summed in replica order
+            # (each addition rounded to the narrow dtype), widened, scaled back, divided.
+            factor = compression_scale(len(tensors))
+            narrow = [compress(t.to(device), compression, factor) for t in tensors]
+            out = reduce_into(ReduceOp.SUM, torch.empty_like(narrow[0], memory_format=torch.contiguous_format), narrow)
+            return decompress(out, dtype, factor, len(tensors) if op is ReduceOp.MEAN else None)
         # In the wire dtype (float16 sums in float32, rounded once; unsigned ints as
         # signed), as the collectives do, so every strategy and engine gives the same bytes.
         scale = mean_scale(op, len(tensors), dtype)  # a MEAN of huge values: no overflow of the sum
