@@ -13,7 +13,7 @@ from .collectives import (all_gather, all_reduce, all_to_all, broadcast, collect
 from .context import (ReplicaContext, get_replica_context, get_strategy, has_strategy,
                       in_cross_replica_context)
 from .errors import (CollectiveMismatchError, CollectiveTimeoutError, ReplicaContextError,
-                     ReplicaError)
+                     ReplicaError, WorkerFailedError)
 from .groups import Mesh, canonical_groups, contiguous_groups, strided_groups
 from .random_streams import checkpoint_context_fn, replica_generator
 from .reduce_op import ReduceOp
@@ -47,7 +47,7 @@ __all__ = [
     "reduce_scatter", "all_to_all", "broadcast", "collective_permute", "replica_id", "num_replicas",
     "CrossDeviceOps", "ReductionToOneDevice", "AllReduceCrossDeviceOps", "CommunicationOptions",
     "InputContext", "InputReplicationMode", "ValueContext", "MultiStepContext", "CrossShardOptimizer", "nn",
-    "FaultTolerance", "FencedOutError",
+    "FaultTolerance", "FencedOutError", "WorkerFailedError",
     "Variable", "VariableSynchronization", "VariableAggregation",
     "replica_generator", "checkpoint_context_fn",
 ]

@@ -21,6 +21,7 @@ __all__ = [
     "ReplicaContextError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "WorkerFailedError",
     "ReplicaError",
     "CrossReplicaWarning",
     "SharedModuleWarning",
@@ -90,6 +91,14 @@ class CollectiveTimeoutError(CrossReplicaError, TimeoutError):
     def __init__(self, message: str, missing: tuple[int, ...] = ()):
         super().__init__(message)
         self.missing = tuple(missing)
+
+
+class WorkerFailedError(CollectiveTimeoutError):
+    """Another worker of a multi-worker job is gone (it died, froze or was cut off: its
+    heartbeat stopped, or the connection to it broke during a collective), so its replicas
+    will never arrive (``missing`` holds their ids, when known); or this worker cannot reach
+    the job's store, or a member of a fault-tolerant job failed in a way no regrouping
+    mends. ``cr.FaultTolerance`` goes on without a lost worker."""
 
 
 class ReplicaError(CrossReplicaError):

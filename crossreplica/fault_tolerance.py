@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -45,9 +46,10 @@ import torch.distributed as dist
 
 from .engines.torch_dist import WorkerFailedError
 from .elastic import TrainingState
-from .errors import CollectiveTimeoutError, ReplicaAborted, summarize
+from .errors import CollectiveTimeoutError, ConfigurationWarning, ReplicaAborted, summarize
 from .optim import CrossShardOptimizer
 from .reduce_op import ReduceOp
+from .strategies.bootstrap import torchrun_agent
 from .strategies.membership import (FencedOutError, Membership, StoreCalls, agree, announce_growth, await_invitation,
                                     epoch_prefix, found, give_up, growth, joiners_waiting, request_join)
 from .strategies.multi_worker import MultiWorkerExtended, MultiWorkerMirroredStrategy
@@ -98,6 +100,7 @@ class FaultTolerance:
                              f"(pass backend='gloo')")
         if ext.job_store is None:
             raise RuntimeError("FaultTolerance needs the process group's store, which this torch does not expose")
+        _warn_if_torchrun_stops_survivors()
         self.strategy = strategy
         self._ext: MultiWorkerExtended = ext
         self._last_result: Any = None
@@ -293,3 +296,25 @@ class FaultTolerance:
         self.completed = completed
         self._last_result = result
         return True, result
+
+
+def _warn_if_torchrun_stops_survivors() -> None:
+    """A ConfigurationWarning when torchrun's agent would stop the survivors of a lost worker."""
+    agent = torchrun_agent()
+    if agent is None:
+        return
+    local, restarts = agent
+    why = []
+    if local > 1:
+        why.append(f"torchrun started {local} workers on this host (LOCAL_WORLD_SIZE={local}), and when one of "
+                   f"them fails its agent stops the others on this host")
+    if restarts > 0:
+        why.append(f"with --max-restarts={restarts} (TORCHELASTIC_MAX_RESTARTS) the agent of a failed worker "
+                   f"starts its workers again, and every other agent then restarts its own, the survivors "
+                   f"included")
+    if why:
+        warnings.warn(
+            f"FaultTolerance cannot keep this job going when a worker fails: {'; and '.join(why)}; launch the "
+            f"workers of one host with `crossreplica launch --workers {local} -- COMMAND`, or run torchrun with "
+            f"--nproc-per-node=1 --max-restarts=0 on each host (docs/reliability.md, \"torchrun\")",
+            ConfigurationWarning, stacklevel=3)

@@ -22,25 +22,42 @@ started again (at most ``K`` times in all) with ``CROSSREPLICA_JOIN=1``: it join
 the running job at a step boundary and takes the live state from a member
 (``cr.FaultTolerance``), where torchrun would restart every worker.
 
-The exit code is 0 when at least one worker finished with 0 (a fault-tolerant
-job that lost workers finished), otherwise the first failure's code; a
-summary line on stderr names every worker that did not finish with 0.
+The exit code says whether the job finished. A worker that exits with another
+code than 0 is a fault the job survived when the job went on without it: the
+last membership its workers agreed on (``cr.FaultTolerance``, read from the
+store this launcher serves) leaves it out, and the members finished. Any other
+such exit (the chief raising as it saves, after the others finished; a worker of
+a job without ``cr.FaultTolerance``; a member killed after the last agreement)
+fails the job: the exit code is the first such worker's (a signal: 128 plus its
+number), and stderr names it with the last lines it wrote there (each worker's
+stderr passes through this launcher, on a terminal through a pseudo-terminal of
+its own). Exit code 0 means every member finished with 0; a summary line names
+the workers the job went on without.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import fcntl
 import os
+import pty
 import secrets
 import shutil
 import signal
 import subprocess
 import sys
+import termios
+import threading
 import time
+import tty
 from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
+
+from .strategies.job_store import started_job
+from .strategies.membership import latest
 
 __all__ = ["launch", "main"]
 
@@ -48,11 +65,16 @@ __all__ = ["launch", "main"]
 _POLL = 0.05
 #: seconds between waking a worker left behind and terminating it, and between that and SIGKILL
 _WAKE, _TERM = 5.0, 5.0
+#: how much of a worker's stderr is kept to quote, and how many of its last lines are quoted
+_KEEP_BYTES, _QUOTED_LINES = 8192, 8
+#: how long the launcher waits for the rest of its workers' stderr once they have exited
+_DRAIN = 2.0
 
 
 def launch(command: Sequence[str], workers: int, grace_seconds: float = 10.0,
            env: dict[str, str] | None = None, max_restarts: int = 0) -> int:
-    """Runs ``command`` as ``workers`` workers of one job on this host; returns the exit code.
+    """Runs ``command`` as ``workers`` workers of one job on this host; returns the exit code
+    (0: the job finished, possibly without workers it lost; the module docstring says which).
     Up to ``max_restarts`` times, a worker that fails while the others run is started
     again to join the running job (``CROSSREPLICA_JOIN=1``)."""
     if workers < 1:
@@ -68,39 +90,220 @@ def launch(command: Sequence[str], workers: int, grace_seconds: float = 10.0,
     base.setdefault("CROSSREPLICA_JOB_SECRET", secrets.token_hex(16))
     base.update({"WORLD_SIZE": str(workers), "LOCAL_WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    runs: list[_Run] = []  # every worker process started, the restarted ones too
 
-    def start(r: int, join: bool) -> subprocess.Popen:
+    def start(slot: int, join: bool) -> _Run:
         joining = {"CROSSREPLICA_JOIN": "1"} if join else {}
-        return subprocess.Popen(list(command), env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "GROUP_RANK": "0",
-                                                    "ROLE_RANK": str(r), **joining})
+        output = _Output()
+        try:
+            proc = subprocess.Popen(list(command), stderr=output.child_fd,
+                                    env={**base, "RANK": str(slot), "LOCAL_RANK": str(slot), "GROUP_RANK": "0",
+                                         "ROLE_RANK": str(slot), **joining})
+        finally:
+            output.started()
+        runs.append(_Run(slot, join, proc, output))
+        return runs[-1]
 
-    procs = [start(r, False) for r in range(workers)]
+    current = [start(r, False) for r in range(workers)]
 
     def stop_all(signum: int, frame: object) -> None:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.terminate()
+        for run in current:
+            if run.proc.poll() is None:
+                run.proc.send_signal(signal.SIGCONT)
+                run.proc.terminate()
         raise SystemExit(128 + signum)
 
     saved = {s: signal.signal(s, stop_all) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        codes = _watch(procs, grace_seconds, _Restarts(start, max_restarts))
+        _watch(current, grace_seconds, _Restarts(start, max_restarts))
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    failed = {r: c for r, c in enumerate(codes) if c != 0}
-    if failed:
-        fate = "finished" if len(failed) < workers else "failed"
-        print(f"crossreplica launch: the job {fate}; "
-              + "; ".join(f"worker {r} exited with code {c}" for r, c in failed.items()), file=sys.stderr)
-    if len(failed) < workers:
+        for run in runs:
+            if run.proc.poll() is None:
+                run.proc.kill()
+            run.proc.wait()
+            run.poll()
+        deadline = time.monotonic() + _DRAIN
+        for run in runs:
+            run.output.close(max(0.0, deadline - time.monotonic()))
+    verdict = _judge(runs, workers, _members(store, base["CROSSREPLICA_JOB_SECRET"]))
+    for line in _summary(verdict):
+        print(line, file=sys.stderr)
+    if not verdict.failed:
         return 0
-    return next(iter(failed.values()))
+    code = min((run for run, _ in verdict.failed), key=lambda run: run.ended).code or 1
+    return 128 - code if code < 0 else code
+
+
+@dataclasses.dataclass
+class _Run:
+    """One worker process: ``slot`` is its RANK; ``joining``: started again to join the running
+    job (its identity there is the one the job gives it); ``code``: its exit code, once the
+    launcher saw it exit (``ended``); ``stopped``: why the launcher stopped it (None: it exited
+    by itself)."""
+
+    slot: int
+    joining: bool
+    proc: subprocess.Popen
+    output: _Output
+    code: int | None = None
+    ended: float = float("inf")
+    stopped: str | None = None
+
+    def poll(self) -> int | None:
+        if self.code is None and self.proc.poll() is not None:
+            self.code, self.ended = int(self.proc.returncode), time.monotonic()
+        return self.code
+
+
+def _members(store: dist.TCPStore, secret: str) -> tuple[int, ...] | None:
+    """The identities in the newest membership the job's workers agreed on
+    (``cr.FaultTolerance``); None when they never agreed on one."""
+    try:
+        job = started_job(store, secret)
+        decision = None if job is None else latest(job)
+    except Exception:  # noqa: BLE001 - an unreadable record is no record: every failure counts
+        return None
+    return None if decision is None else decision.members
+
+
+@dataclasses.dataclass(frozen=True)
+class _Verdict:
+    """The runs that exited with another code than 0: those the job did not survive, each
+    with why, and those it went on without."""
+
+    failed: list[tuple[_Run, str]]
+    survived: list[_Run]
+
+
+def _judge(runs: Sequence[_Run], founders: int, members: tuple[int, ...] | None) -> _Verdict:
+    """Which failed runs the job survived: a run that the job's newest membership ``members``
+    leaves out, once a run finished with 0. ``members`` None: no membership was agreed, so
+    every worker that started the job (identities 0..``founders``-1) is a member. A restarted
+    worker's identity is the job's to give, so a failed one counts as survived only while
+    the restarted workers that finished account for every member that joined."""
+    bad = [run for run in runs if run.code != 0]
+    if all(run.code != 0 for run in runs):
+        return _Verdict([(run, "no worker finished") for run in bad], [])
+    if members is None:
+        why = "the job never went on without it (no membership agreed by cr.FaultTolerance left it out)"
+        return _Verdict([(run, why) for run in bad], [])
+    joined = sum(1 for m in members if m >= founders)
+    joiners_finished = sum(1 for run in runs if run.joining and run.code == 0)
+    verdict = _Verdict([], [])
+    for run in bad:
+        if (joined <= joiners_finished) if run.joining else run.slot not in members:
+            verdict.survived.append(run)
+        else:
+            verdict.failed.append((run, f"it was a member of the job to the end (its last membership: workers "
+                                        f"{list(members)})"))
+    return verdict
+
+
+def _summary(verdict: _Verdict) -> list[str]:
+    """What stderr says about the workers that did not finish with 0."""
+    lost = "; ".join(_exit(run) for run in verdict.survived)
+    if not verdict.failed:
+        return [f"crossreplica launch: the job finished without the workers it lost (the others went on without "
+                f"them): {lost}"] if verdict.survived else []
+    lines = []
+    for run, why in sorted(verdict.failed, key=lambda pair: pair[0].ended):
+        quoted = run.output.last_lines(_QUOTED_LINES)
+        on_stderr = "; its last lines on stderr:" if quoted else ""
+        lines.append(f"crossreplica launch: the job failed: {_exit(run)}, a failure the job did not survive: "
+                     f"{why}{on_stderr}")
+        lines.extend(f"  | {line}" for line in quoted)
+    if verdict.survived:
+        lines.append(f"crossreplica launch: the job had gone on without: {lost}")
+    return lines
+
+
+def _exit(run: _Run) -> str:
+    """``worker R exited with code C``, with what else is known about it."""
+    code = run.code
+    text = f"worker {run.slot}{' (started again to join)' if run.joining else ''} exited with code {code}"
+    if code is not None and code < 0:
+        try:
+            text += f" ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    if run.stopped is not None:
+        text += f" (stopped by the launcher: {run.stopped})"
+    return text
+
+
+class _Output:
+    """A worker's stderr: passed on to the launcher's as it comes, its end kept to quote.
+
+    On a terminal the worker writes to a pseudo-terminal of its own (raw, the terminal's
+    size), so it still sees a terminal (progress bars); elsewhere to a pipe.
+    """
+
+    def __init__(self, terminal: bool | None = None):
+        self.tail = bytearray()
+        self.read_fd, self.child_fd = _channel(os.isatty(2) if terminal is None else terminal)
+        self._pump = threading.Thread(target=self._forward, name="crossreplica-launch-stderr", daemon=True)
+
+    def started(self) -> None:
+        """After the worker started (or failed to): the worker holds the writing end now."""
+        os.close(self.child_fd)
+        self._pump.start()
+
+    def _forward(self) -> None:
+        try:
+            while True:
+                try:
+                    chunk = os.read(self.read_fd, 65536)
+                except OSError:  # EIO: every writer of a pseudo-terminal has gone
+                    break
+                if not chunk:
+                    break
+                _write_all(2, chunk)
+                self.tail += chunk
+                del self.tail[:-_KEEP_BYTES]
+        finally:
+            os.close(self.read_fd)
+
+    def close(self, timeout: float) -> None:
+        """Waits up to ``timeout`` seconds for the rest (a process the worker started may hold
+        its stderr open longer)."""
+        if self._pump.is_alive():
+            self._pump.join(timeout)
+
+    def last_lines(self, n: int) -> list[str]:
+        """The last ``n`` non-empty lines written (a line redrawn with carriage returns: its last
+        state)."""
+        text = bytes(self.tail).decode(errors="replace")
+        lines = [line.rsplit("\r", 1)[-1].rstrip() for line in text.replace("\r\n", "\n").split("\n")]
+        return [line for line in lines if line.strip()][-n:]
+
+
+def _channel(terminal: bool) -> tuple[int, int]:
+    """The launcher's reading end and the worker's writing end of a worker's stderr."""
+    if terminal:
+        try:
+            reader, writer = pty.openpty()
+        except OSError:
+            return os.pipe()
+        try:
+            tty.setraw(writer)  # the bytes as written: no "\n" -> "\r\n"
+            size = fcntl.ioctl(2, termios.TIOCGWINSZ, b"\0" * 8)
+            fcntl.ioctl(writer, termios.TIOCSWINSZ, size)
+        except OSError:
+            pass
+        return reader, writer
+    return os.pipe()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Writes ``data`` to ``fd``; a closed or broken ``fd`` drops it (the worker goes on)."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view):]
+        except OSError:
+            return
 
 
 def _check_program(command: Sequence[str], path: str | None = None) -> None:
@@ -116,42 +319,50 @@ def _check_program(command: Sequence[str], path: str | None = None) -> None:
 class _Restarts:
     """Starts failed workers again, to join the running job, while restarts are left."""
 
-    def __init__(self, start: Callable[[int, bool], subprocess.Popen], left: int):
+    def __init__(self, start: Callable[[int, bool], _Run], left: int):
         self.start, self.left = start, left
 
-    def __call__(self, procs: list[subprocess.Popen]) -> None:
-        codes = [p.poll() for p in procs]
+    def __call__(self, current: list[_Run]) -> None:
+        codes = [run.poll() for run in current]
         for r, code in enumerate(codes):
             if self.left and code not in (None, 0) and any(c is None for c in codes):
                 self.left -= 1
                 print(f"crossreplica launch: worker {r} exited with code {code}; starting it again to join the "
                       f"running job ({self.left} restart{'s' if self.left != 1 else ''} left)", file=sys.stderr,
                       flush=True)
-                procs[r] = self.start(r, True)
+                current[r] = self.start(r, True)
 
 
-def _watch(procs: list[subprocess.Popen], grace: float, restart: Callable[[list[subprocess.Popen]], None]) -> list[int]:
-    """Every worker's exit code, waking and then terminating those still running ``grace``
-    seconds after the first worker finished with 0, or at once when every one still
+def _watch(current: list[_Run], grace: float, restart: Callable[[list[_Run]], None]) -> None:
+    """Returns once every worker has exited, waking and then terminating those still running
+    ``grace`` seconds after the first worker finished with 0, or at once when every one still
     running is stopped and another has exited; until then, ``restart`` may start failed
-    workers again (replacing them in ``procs``)."""
+    workers again (replacing them in ``current``)."""
     finished_at: float | None = None
     while True:
         if finished_at is None:
-            restart(procs)
-        codes = [p.poll() for p in procs]
+            restart(current)
+        codes = [run.poll() for run in current]
         if all(c is not None for c in codes):
-            return [int(c) for c in codes if c is not None]
+            return
         if finished_at is None and 0 in codes:
             finished_at = time.monotonic()
-        left_frozen = any(c is not None for c in codes) and all(_stopped(p) for p in procs if p.poll() is None)
+        running = [run for run in current if run.poll() is None]
+        left_frozen = len(running) < len(current) and all(_stopped(run.proc) for run in running)
         if left_frozen or (finished_at is not None and time.monotonic() - finished_at > grace):
+            why = ("frozen (stopped) after the others had exited" if left_frozen else
+                   f"still running {grace:g}s after another worker finished")
+            for run in running:
+                run.stopped = why
             for step, seconds in ((signal.SIGCONT, _WAKE), (signal.SIGTERM, _TERM), (signal.SIGKILL, 0.0)):
-                for p in procs:
-                    if p.poll() is None:
-                        p.send_signal(step)
-                _wait_all(procs, seconds)
-            return [int(p.wait()) for p in procs]
+                for run in current:
+                    if run.poll() is None:
+                        run.proc.send_signal(step)
+                _wait_all(current, seconds)
+            for run in current:
+                run.proc.wait()
+                run.poll()
+            return
         time.sleep(_POLL)
 
 
@@ -167,9 +378,9 @@ def _stopped(proc: subprocess.Popen) -> bool:
     return bool(fields) and fields[0] == b"T"
 
 
-def _wait_all(procs: list[subprocess.Popen], seconds: float) -> None:
+def _wait_all(current: list[_Run], seconds: float) -> None:
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+    while time.monotonic() < deadline and any(run.poll() is None for run in current):
         time.sleep(_POLL)
 
 
@@ -198,6 +409,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how many times in all a worker that fails while others still run is started again "
                              "to join the running job at a step boundary (cr.FaultTolerance; default 0)")
     parser.usage = "crossreplica launch --workers N [--grace-seconds S] [--max-restarts K] -- COMMAND [ARG ...]"
+    parser.epilog = ("Exit status: 0 when the job finished (every worker exited with 0, or the job went on without "
+                     "those that did not: cr.FaultTolerance left them out); otherwise the first failed worker's "
+                     "code (a signal: 128 + its number), with that worker and its last lines on stderr named "
+                     "(docs/reliability.md).")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,46 +1,294 @@
-"""How a worker joins its job: the launcher's environment, the store and the first
+"""How a worker joins its job: the launcher's environment (:class:`JobEnv`), the store and the first
 process group (``MultiWorkerMirroredStrategy``'s set-up).
 
-torchrun (or ``crossreplica launch``, or a hand launch) gives each worker RANK,
-WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Rank 0 serves the store on
-MASTER_ADDR only (unless a launcher's agent serves it); every worker meets the
-others under the job's prefix (:mod:`.job_store`) before the process group
-forms, bounded by the timeout (:mod:`.network`). Without that environment the
-worker runs alone, so the same script runs as ``python script.py``. A worker
+:class:`JobEnv` reads the job's environment, in one place, from whichever launcher
+started the worker: torchrun, ``crossreplica launch`` or a hand launch (RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or SLURM's
+``srun`` (SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID, the step's node list
+and job id), torchrun's variables first when both are present. Rank 0 serves the
+store on MASTER_ADDR only (unless a launcher's agent serves it); every worker meets
+the others under the job's prefix (:mod:`.job_store`) before the process group
+forms, bounded by the timeout (:mod:`.network`). Without a launcher's environment
+the worker runs alone, so the same script runs as ``python script.py``. A worker
 started with ``CROSSREPLICA_JOIN`` joins a running fault-tolerant job instead:
 alone until ``cr.FaultTolerance`` admits it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import itertools
 import logging
 import os
+import re
 import secrets
 import socket
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch.distributed as dist
 
 from .. import settings
-from ..errors import summarize
+from ..errors import ConfigurationWarning, summarize
 from .job_store import form_job, join_job
 from .network import bounded, choose_gloo_interface
 
-__all__ = ["env_int", "init_process_group"]
+__all__ = ["JobEnv", "env_int", "init_process_group", "local_placement", "nodelist_hosts", "slurm_port",
+           "tasks_per_node", "torchrun_agent"]
 
 _log = logging.getLogger(__name__)
 
+#: SLURM without MASTER_PORT: this plus the last 4 digits of SLURM_JOB_ID (as Lightning does)
+SLURM_BASE_PORT = 15000
 
-def env_int(name: str, default: int | None = None) -> int | None:
+
+def env_int(name: str, default: int | None = None, environ: Mapping[str, str] | None = None) -> int | None:
     """An integer from the launcher's environment (torchrun's RANK, WORLD_SIZE, ...)."""
-    raw = os.environ.get(name)
+    raw = (os.environ if environ is None else environ).get(name)
     if raw is None or raw == "":
         return default
     try:
         return int(raw)
     except ValueError:
         raise ValueError(f"environment variable {name} must be an integer; got {summarize(raw)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class JobEnv:
+    """This worker's place in its job, as its launcher describes it.
+
+    Attributes:
+        launcher: "torchrun", "crossreplica launch", "srun" or "hand" (RANK and the
+            others set by hand, or by a launcher we do not know).
+        rank, world_size: this worker's rank and the job's worker count.
+        local_rank, local_world_size: its rank among the workers of its host, and their
+            count (1 when the launcher does not say).
+        master_addr, master_port: where the job's store is served.
+        agent_store: whether a launcher's agent serves the store (rank 0 does not).
+        restart_count: torchrun's TORCHELASTIC_RESTART_COUNT ("0": the first start).
+        derived: how master_addr / master_port were found when the environment did not
+            give them (SLURM; "" when it did), for the log.
+    """
+
+    launcher: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    agent_store: bool = False
+    restart_count: str = "0"
+    derived: str = ""
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str] | None = None) -> JobEnv | None:
+        """The job's environment (``os.environ`` by default); None when no launcher started
+        this worker (it runs alone). torchrun's variables come first; SLURM's are read when
+        neither RANK nor WORLD_SIZE is set.
+
+        Raises:
+            ValueError: the environment is partial or inconsistent (naming the variable and the fix).
+        """
+        env = os.environ if environ is None else environ
+        if env_int("WORLD_SIZE", environ=env) is not None or env_int("RANK", environ=env) is not None:
+            return cls._torchrun(env)
+        if _slurm_step(env):
+            return cls._slurm(env)
+        return None
+
+    @classmethod
+    def _torchrun(cls, env: Mapping[str, str]) -> JobEnv:
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+        if missing:
+            raise ValueError(
+                f"MultiWorkerMirroredStrategy reads the torchrun environment, but {missing} "
+                f"{'is' if len(missing) == 1 else 'are'} not set; launch with "
+                f"`torchrun --nproc-per-node=2 script.py` (or set RANK, WORLD_SIZE, MASTER_ADDR, "
+                f"MASTER_PORT yourself)")
+        rank, world = _required(env, "RANK"), _required(env, "WORLD_SIZE")
+        agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        launcher = ("torchrun" if env.get("TORCHELASTIC_RUN_ID") else
+                    "crossreplica launch" if agent_store else "hand")
+        local_rank, local_world = _local(env, "LOCAL_RANK", env_int("LOCAL_WORLD_SIZE", environ=env))
+        return cls._checked(launcher, rank, world, local_rank, local_world, env["MASTER_ADDR"],
+                            env_int("MASTER_PORT", environ=env), agent_store,
+                            env.get("TORCHELASTIC_RESTART_COUNT", "0") or "0")
+
+    @classmethod
+    def _slurm(cls, env: Mapping[str, str]) -> JobEnv:
+        rank, world = _required(env, "SLURM_PROCID"), _required(env, "SLURM_STEP_NUM_TASKS")
+        local_rank, local_world = _local(env, "SLURM_LOCALID", _slurm_local_world(env))
+        derived = []
+        address = env.get("MASTER_ADDR")
+        if not address:
+            source = next((k for k in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+                           if env.get(k)), None)
+            if source is None:
+                raise ValueError("SLURM gave this worker no node list (SLURM_STEP_NODELIST, SLURM_JOB_NODELIST, "
+                                 "SLURM_NODELIST) to find rank 0's host in; set MASTER_ADDR to rank 0's host")
+            address = next(nodelist_hosts(env[source], source))
+            here = env.get("SLURMD_NODENAME")
+            if rank == 0 and here and here != address:
+                raise ValueError(f"SLURM put rank 0 on {here!r}, not on the first node of {source} "
+                                 f"({address!r}), where the others would look for its store; set MASTER_ADDR "
+                                 f"(to {here!r}) and MASTER_PORT for every task, e.g. in the job script")
+            derived.append(f"MASTER_ADDR: the first node of {source}")
+        if env.get("MASTER_PORT"):
+            port = env_int("MASTER_PORT", environ=env)
+        else:
+            port = slurm_port(env.get("SLURM_JOB_ID"))
+            derived.append(f"MASTER_PORT: {SLURM_BASE_PORT} + the last 4 digits of SLURM_JOB_ID")
+        return cls._checked("srun", rank, world, local_rank, local_world, address, port, derived="; ".join(derived))
+
+    @classmethod
+    def _checked(cls, launcher: str, rank: int, world: int, local_rank: int, local_world: int, address: str,
+                 port: int | None, agent_store: bool = False, restart_count: str = "0",
+                 derived: str = "") -> JobEnv:
+        names = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS") if launcher == "srun" else ("RANK", "WORLD_SIZE")
+        if not 0 <= rank < world:
+            raise ValueError(f"{names[0]}={rank} must be in [0, {names[1]}={world})")
+        if port is None or not 0 < port < 65536:
+            raise ValueError(f"MASTER_PORT={port} must be a TCP port in 1..65535")
+        return cls(launcher, rank, world, local_rank, local_world, address, port, agent_store, restart_count,
+                   derived)
+
+
+def _required(env: Mapping[str, str], name: str) -> int:
+    """An integer variable the caller knows is set."""
+    value = env_int(name, environ=env)
+    if value is None:
+        raise ValueError(f"environment variable {name} must be set")
+    return value
+
+
+def _local(env: Mapping[str, str], rank_name: str, world: int | None) -> tuple[int, int]:
+    """This worker's local rank (from ``rank_name``, 0 when unset) and its host's worker count
+    (``world``; 1 when unknown)."""
+    local_rank = env_int(rank_name, 0, environ=env) or 0
+    return local_rank, world if world is not None and world >= 1 else 1
+
+
+def _slurm_step(env: Mapping[str, str], warn: bool = True) -> bool:
+    """Whether ``srun`` started this process as a task of a job step. A batch script that
+    runs the program itself also has SLURM_PROCID and SLURM_NTASKS (those of the
+    allocation) but no step's task count: it runs alone (with ``warn``, told so)."""
+    if not env.get("SLURM_PROCID"):
+        return False
+    if env.get("SLURM_STEP_NUM_TASKS"):
+        return True
+    tasks = env.get("SLURM_NTASKS", "")
+    if warn and tasks.isdigit() and int(tasks) > 1:
+        warnings.warn(f"SLURM allocated {tasks} tasks (SLURM_NTASKS) but this process was not started by srun "
+                      f"(no SLURM_STEP_NUM_TASKS), so it runs as a single worker; start one worker per task with "
+                      f"`srun python script.py` in the job script", ConfigurationWarning, stacklevel=5)
+    return False
+
+
+def _slurm_local_world(env: Mapping[str, str]) -> int | None:
+    """The tasks of this step on this node: SLURM_STEP_TASKS_PER_NODE at SLURM_NODEID."""
+    text, node = env.get("SLURM_STEP_TASKS_PER_NODE"), env_int("SLURM_NODEID", environ=env)
+    if not text or node is None:
+        return None
+    counts = tasks_per_node(text, "SLURM_STEP_TASKS_PER_NODE")
+    return counts[node] if 0 <= node < len(counts) else None
+
+
+def local_placement(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """This worker's local rank and its host's worker count, from whichever launcher started
+    it ((0, 1) without one): where its default devices are (``MultiWorkerMirroredStrategy``),
+    also when the user initialised the process group."""
+    env = os.environ if environ is None else environ
+    torchrun = env_int("WORLD_SIZE", environ=env) is not None or env_int("RANK", environ=env) is not None
+    if not torchrun and _slurm_step(env, warn=False):
+        return _local(env, "SLURM_LOCALID", _slurm_local_world(env))
+    return _local(env, "LOCAL_RANK", env_int("LOCAL_WORLD_SIZE", environ=env))
+
+
+def torchrun_agent(environ: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    """torchrun's agent on this host, as its workers see it: how many workers it started here
+    (LOCAL_WORLD_SIZE; it stops all of them when one fails) and how many times it may start
+    them again (TORCHELASTIC_MAX_RESTARTS; a restart restarts every agent's workers). None
+    when torchrun (TORCHELASTIC_RUN_ID) did not start this worker."""
+    env = os.environ if environ is None else environ
+    if not env.get("TORCHELASTIC_RUN_ID"):
+        return None
+    return (env_int("LOCAL_WORLD_SIZE", 1, environ=env) or 1,
+            env_int("TORCHELASTIC_MAX_RESTARTS", 0, environ=env) or 0)
+
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def nodelist_hosts(text: str, name: str = "the node list") -> Iterator[str]:
+    """The host names of a SLURM host list, in order: ``node[01-03,07],login`` is node01,
+    node02, node03, node07, login; ``rack[1-2]-n[1-2]`` is rack1-n1, rack1-n2, rack2-n1,
+    rack2-n2 (a range keeps its lower bound's zero padding).
+
+    Raises:
+        ValueError: ``text`` (read from ``name``) is not such a list.
+    """
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{name} must be a SLURM host list such as 'node[01-03],login'; got {summarize(text)} "
+                          f"({why})")
+
+    items, depth, start = [], 0, 0
+    for i, c in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(c, 0)
+        if depth not in (0, 1):
+            raise bad("brackets do not pair up")
+        if c == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    if depth != 0:
+        raise bad("a '[' is not closed")
+    items.append(text[start:])
+    for item in items:
+        item = item.strip()
+        if not item:
+            raise bad("an empty name")
+        parts: list[list[str]] = []
+        pos = 0
+        for m in re.finditer(r"\[([^\]]*)\]", item):
+            parts += [[item[pos:m.start()]], _numbers(m.group(1), bad)]
+            pos = m.end()
+        parts.append([item[pos:]])
+        for combination in itertools.product(*parts):
+            yield "".join(combination)
+
+
+def _numbers(inside: str, bad: Callable[[str], ValueError]) -> list[str]:
+    """The numbers of a host list's brackets, ``01-03,07``, each padded as its range's lower bound."""
+    names: list[str] = []
+    for piece in inside.split(","):
+        m = _RANGE.match(piece.strip())
+        if m is None or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+            raise bad(f"{piece!r} is not a number or an ascending range")
+        low, high = m.group(1), m.group(2) or m.group(1)
+        names.extend(str(n).zfill(len(low)) for n in range(int(low), int(high) + 1))
+    return names
+
+
+def tasks_per_node(text: str, name: str = "the tasks per node") -> list[int]:
+    """SLURM's tasks per node, ``2(x3),1``, as a list: [2, 2, 2, 1]."""
+    counts = []
+    for piece in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", piece)
+        if m is None:
+            raise ValueError(f"{name} must be counts such as '2(x3),1'; got {summarize(text)}")
+        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
+    return counts
+
+
+def slurm_port(job_id: str | None) -> int:
+    """The store's port for a SLURM job without MASTER_PORT: :data:`SLURM_BASE_PORT` plus the
+    last 4 digits of its SLURM_JOB_ID, the same on every task of the job."""
+    if not job_id or not job_id.isdigit():
+        raise ValueError(f"SLURM_JOB_ID must be the job's number to derive the store's port from; got "
+                         f"{summarize(job_id)}; set MASTER_PORT to a free port, the same for every task")
+    return SLURM_BASE_PORT + int(job_id[-4:])
 
 
 def init_process_group(backend: str, timeout: float) -> tuple[bool, Any, bool]:
@@ -55,29 +303,17 @@ def init_process_group(backend: str, timeout: float) -> tuple[bool, Any, bool]:
                   dist.get_world_size(), dist.get_backend())
         return False, None, False
     td = datetime.timedelta(seconds=timeout)
-    world = env_int("WORLD_SIZE")
-    rank = env_int("RANK")
-    if world is None and rank is None:
+    job = JobEnv.read()
+    if job is None:
         # No launcher: a single worker, so the same script runs as `python script.py`.
-        _log.info("no launcher environment (RANK, WORLD_SIZE): running as a single worker (backend %s)",
-                  backend)
+        _log.info("no launcher environment (RANK, WORLD_SIZE): running as a single worker (backend %s)", backend)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
         return True, None, False
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
-    if missing:
-        raise ValueError(
-            f"MultiWorkerMirroredStrategy reads the torchrun environment, but {missing} "
-            f"{'is' if len(missing) == 1 else 'are'} not set; launch with "
-            f"`torchrun --nproc-per-node=2 script.py` (or set RANK, WORLD_SIZE, MASTER_ADDR, "
-            f"MASTER_PORT yourself)")
-    if rank is None or world is None or not 0 <= rank < world:
-        raise ValueError(f"RANK={rank} must be in [0, WORLD_SIZE={world})")
-    port = env_int("MASTER_PORT")
-    if port is None or not 0 < port < 65536:
-        raise ValueError(f"MASTER_PORT={port} must be a TCP port in 1..65535")
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    address = os.environ["MASTER_ADDR"]
-    is_master = rank == 0 and not agent_store and not settings.join()
+    rank, world, address, port = job.rank, job.world_size, job.master_addr, job.master_port
+    if job.derived:
+        _log.info("started by srun: rank %d of %d (SLURM_PROCID, SLURM_STEP_NUM_TASKS), store at %s:%d (%s)",
+                  rank, world, address, port, job.derived)
+    is_master = rank == 0 and not job.agent_store and not settings.join()
     # The store serves where the user asked (MASTER_ADDR), not on every interface.
     listener = _listen(address, port) if is_master else None
     try:
@@ -93,19 +329,18 @@ def init_process_group(backend: str, timeout: float) -> tuple[bool, Any, bool]:
     if settings.join():
         # Alone until cr.FaultTolerance admits it into the job at a step boundary
         # (regroup): set-up collectives (mirror, ...) meet nobody meanwhile.
-        job = join_job(tcp_store, timeout)
+        job_store = join_job(tcp_store, timeout)
         _log.info("joining the running job in the store at MASTER_ADDR=%s MASTER_PORT=%d (CROSSREPLICA_JOIN); "
                   "alone until cr.FaultTolerance admits this worker", address, port)
-        dist.init_process_group(backend, store=dist.PrefixStore(f"joiners/{secrets.token_hex(8)}", job),
+        dist.init_process_group(backend, store=dist.PrefixStore(f"joiners/{secrets.token_hex(8)}", job_store),
                                 rank=0, world_size=1, timeout=td)
-        return True, job, True
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if attempt not in ("", "0"):
+        return True, job_store, True
+    if job.restart_count not in ("", "0"):
         _log.warning("worker rank %d was restarted by the elastic agent (TORCHELASTIC_RESTART_COUNT=%s): "
-                     "the previous attempt failed; resume from the last checkpoint", rank, attempt)
+                     "the previous attempt failed; resume from the last checkpoint", rank, job.restart_count)
     _log.info("initialising the process group: rank %d of %d, backend %s, store at MASTER_ADDR=%s "
               "MASTER_PORT=%d (%s), timeout %gs", rank, world, backend, address, port,
-              "the elastic agent's store" if agent_store else
+              "the elastic agent's store" if job.agent_store else
               "served by this worker" if is_master else "served by rank 0", timeout)
     # torchrun's agent keeps one store across restarts: keys of an earlier start (gloo's
     # listening addresses among them) would be read as current, so each start gets a prefix.

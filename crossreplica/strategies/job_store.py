@@ -32,7 +32,7 @@ import torch.distributed as dist
 from .. import settings
 from ..logs import ConfigurationWarning
 
-__all__ = ["await_workers", "form_job", "job_namespace", "join_job", "poll", "round_token"]
+__all__ = ["await_workers", "form_job", "job_namespace", "join_job", "poll", "round_token", "started_job"]
 
 T = TypeVar("T")
 
@@ -59,7 +59,30 @@ def job_namespace() -> str:
             "looks easy to guess (short, or a name without digits) for anyone who can reach the store; use a "
             "random id (`--rdzv-id=$(openssl rand -hex 16)`, the same on every host) or set "
             "CROSSREPLICA_JOB_SECRET", ConfigurationWarning, stacklevel=5)
+    return _namespace_of(secret)
+
+
+def _namespace_of(secret: str) -> str:
     return hashlib.sha256(f"crossreplica-job:{secret}".encode()).hexdigest()[:32]
+
+
+def _start_key(namespace: str) -> str:
+    """Where rank 0 publishes the token of the job's newest start."""
+    return f"crossreplica/{namespace}/start"
+
+
+def _job_prefix(namespace: str, token: str) -> str:
+    return f"crossreplica/{namespace}/{token}"
+
+
+def started_job(raw: Any, secret: str) -> Any | None:
+    """The store of the newest start of the job whose secret is ``secret`` (what its workers
+    share), read by whoever serves ``raw`` (``crossreplica launch``); None when no such job
+    has started there."""
+    key = _start_key(_namespace_of(secret))
+    if not raw.check([key]):
+        return None
+    return dist.PrefixStore(_job_prefix(_namespace_of(secret), raw.get(key).decode()), raw)
 
 
 def form_job(raw: Any, rank: int, world: int, timeout: float) -> Any:
@@ -72,10 +95,10 @@ def form_job(raw: Any, rank: int, world: int, timeout: float) -> Any:
     if rank == 0:
         token = secrets.token_hex(8)
         answer = _Answers(raw, world, token)
-        raw.set(f"crossreplica/{namespace}/start", token)  # for workers that join later (join_job)
+        raw.set(_start_key(namespace), token)  # for workers that join later (join_job), and the launcher
     else:
         token = round_token(raw, rank, deadline, timeout)
-    job = dist.PrefixStore(f"crossreplica/{namespace}/{token}", raw)
+    job = dist.PrefixStore(_job_prefix(namespace, token), raw)
     await_workers(raw, job, token, world, deadline, timeout, answer)
     return job
 
@@ -84,14 +107,14 @@ def join_job(raw: Any, timeout: float) -> Any:
     """The store of the running start of this job, for a worker that joins it later
     (``CROSSREPLICA_JOIN``): the prefix its rank 0 published under the job's namespace."""
     namespace = job_namespace()
-    key = f"crossreplica/{namespace}/start"
+    key = _start_key(namespace)
     token = poll(lambda: raw.get(key).decode() if raw.check([key]) else None, time.monotonic() + timeout,
                   lambda: RuntimeError(
                       f"this worker was asked to join a running job (CROSSREPLICA_JOIN) but no job with its "
                       f"secret has started in the store at {_store_address()} within {timeout:g}s; check "
                       f"MASTER_ADDR, MASTER_PORT and CROSSREPLICA_JOB_SECRET, or unset CROSSREPLICA_JOIN to "
                       f"start a job"))
-    return dist.PrefixStore(f"crossreplica/{namespace}/{token}", raw)
+    return dist.PrefixStore(_job_prefix(namespace, token), raw)
 
 
 def round_token(raw: Any, rank: int, deadline: float, timeout: float) -> str:

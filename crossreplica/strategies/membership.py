@@ -32,7 +32,7 @@ from ..errors import CrossReplicaError
 from .job_store import poll
 
 __all__ = ["FencedOutError", "Membership", "StoreCalls", "agree", "announce_growth", "await_invitation",
-           "epoch_prefix", "found", "give_up", "growth", "joiners_waiting", "request_join"]
+           "epoch_prefix", "found", "give_up", "growth", "joiners_waiting", "latest", "request_join"]
 
 _UNANSWERED = object()
 
@@ -142,6 +142,17 @@ def agree(store: Any, epoch: int, identity: int, completed: int, members: Sequen
             _propose(call, decided, alive, posted, epoch + 1)
             continue
         time.sleep(pace)
+
+
+def latest(store: Any) -> Membership | None:
+    """The newest membership the job agreed on (None: it never agreed on one, so its members
+    are the workers that started it); read, once the workers are gone, by whoever serves the
+    store (``crossreplica launch``)."""
+    decision, epoch = None, 0
+    while store.check([f"{epoch_prefix(epoch)}/decided"]):
+        decision = Membership.decode(epoch + 1, store.get(f"{epoch_prefix(epoch)}/decided").decode())
+        epoch += 1
+    return decision
 
 
 def _propose(call: StoreCalls, decided: str, alive: dict[int, str],

@@ -40,10 +40,10 @@ from ..engines.torch_dist import TorchDistEngine
 from ..errors import summarize
 from ..groups import Groups
 from ..logs import ConfigurationWarning
-from ..reduce_op import ReduceOp, from_wire, mean_scale, to_wire
+from ..reduce_op import ReduceOp, compress, compresses, compression_scale, decompress, from_wire, mean_scale, to_wire
 from ..timeouts import canonical_timeout
 from .base import Strategy, StrategyExtended
-from .bootstrap import env_int, init_process_group
+from .bootstrap import init_process_group, local_placement
 from .logical_devices import LogicalDevices
 from .network import bounded
 
@@ -135,13 +135,24 @@ class MultiWorkerExtended(StrategyExtended):
     def _world(self) -> Groups:
         return (tuple(range(self.engine.num_replicas)),)
 
-    def reduce_values(self, op: ReduceOp, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Reduces the local replicas' tensors with every other worker's (one collective)."""
+    def reduce_values(self, op: ReduceOp, tensors: Sequence[torch.Tensor], *,
+                      compression: torch.dtype | None = None) -> torch.Tensor:
+        """Reduces the local replicas' tensors with every other worker's (one collective);
+        with ``compression``, as StrategyExtended.reduce_values."""
         if self.engine.world_size == 1:
-            return super().reduce_values(op, tensors)
+            return super().reduce_values(op, tensors, compression=compression)
         xs = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t) for t in tensors]
         if xs[0].layout is not torch.strided:
             return self._reduce_sparse_values(op, xs)
+        dtype = xs[0].dtype
+        if compression is not None and op in (ReduceOp.SUM, ReduceOp.MEAN) and compresses(dtype, compression):
+            # The narrow tensors cross the wire as they are (no widening): a SUM, then scaled back.
+            n = self.num_replicas_in_sync
+            factor = compression_scale(n)
+            narrow = [compress(x, compression, factor) for x in xs]
+            calls = [Call.of(Kind.ALL_REDUCE, self._world(), AllReduceParams(ReduceOp.SUM), [x]) for x in narrow]
+            out = self.engine.process(calls, [[x] for x in narrow])[0][0]
+            return decompress(out, dtype, factor, n if op is ReduceOp.MEAN else None)
         # as StrategyExtended.reduce_values: a MEAN of huge values scaled down, no overflow of the sum
         scale = mean_scale(op, self.num_replicas_in_sync, xs[0].dtype)
         return self._on_workers(Kind.ALL_REDUCE, AllReduceParams(op), xs, op, scale)
@@ -306,7 +317,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         settings.join()
         settings.slow_seconds()
         settings.heartbeat_seconds()
-        local_rank = env_int("LOCAL_RANK", 0) or 0
+        local_rank = local_placement()[0]
         logical = LogicalDevices.consecutive(self._devices(replicas_per_worker, backend, devices, local_rank, k), k)
         devs = list(logical.column(0))
         on_cuda = devs[0].type == "cuda"
@@ -358,7 +369,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             return devs
         if backend != "gloo" and torch.cuda.is_available() and torch.cuda.device_count():
             gpus = torch.cuda.device_count()
-            local_world = env_int("LOCAL_WORLD_SIZE", 1) or 1
+            local_world = local_placement()[1]
             if local_world <= gpus:
                 # Each process of this host gets its own GPUs: NCCL refuses two ranks on one GPU.
                 share = gpus // local_world

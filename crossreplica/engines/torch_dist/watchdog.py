@@ -47,7 +47,7 @@ import torch.distributed as dist
 from ... import settings
 from ... import torch_private as tp
 from ...errors import (CollectiveMismatchError, CollectiveTimeoutError, CrossReplicaError, ReplicaAborted,
-                       ReplicaError)
+                       ReplicaError, WorkerFailedError)
 from ...logs import slow_seconds
 from ..base import Call
 from ..deadline import Deadline
@@ -76,11 +76,6 @@ LINGER_SECONDS = 10.0
 # The failures that are another worker's (or a lost peer's) consequence: never announced at exit.
 _CONSEQUENCES = (ReplicaAborted, CollectiveTimeoutError, CollectiveMismatchError)
 _GONE = object()  # a store call that failed or did not answer (linger)
-
-
-class WorkerFailedError(CollectiveTimeoutError):
-    """The connection to another worker broke during a collective: it died, so its
-    replicas will never arrive (``missing`` holds their ids, when known)."""
 
 
 def is_peer_loss(e: BaseException) -> bool:
