@@ -22,6 +22,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "WorkerFailedError",
+    "FencedOutError",
     "ReplicaError",
     "CrossReplicaWarning",
     "SharedModuleWarning",
@@ -91,6 +92,10 @@ class CollectiveTimeoutError(CrossReplicaError, TimeoutError):
     def __init__(self, message: str, missing: tuple[int, ...] = ()):
         super().__init__(message)
         self.missing = tuple(missing)
+
+
+class FencedOutError(CrossReplicaError):
+    """This worker was left out of a fault-tolerant job's new membership (it was judged lost)."""
 
 
 class WorkerFailedError(CollectiveTimeoutError):

@@ -20,6 +20,24 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"crossreplica {cr.__version__}"
 
 
+def test_python_dash_m_crossreplica_is_the_command():
+    from harness import REPO, subprocess_env
+
+    done = subprocess.run([sys.executable, "-m", "crossreplica", "--version"], capture_output=True, text=True,
+                          cwd=REPO, env=subprocess_env(), timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == f"crossreplica {cr.__version__}", done
+
+
+def test_fault_tolerance_errors_are_in_cr_errors():
+    from crossreplica.engines.torch_dist import WorkerFailedError
+    from crossreplica.strategies.membership import FencedOutError
+
+    assert cr.errors.FencedOutError is cr.FencedOutError is FencedOutError
+    assert cr.errors.WorkerFailedError is cr.WorkerFailedError is WorkerFailedError
+    assert issubclass(cr.FencedOutError, cr.errors.CrossReplicaError)
+    assert issubclass(cr.WorkerFailedError, cr.errors.CollectiveTimeoutError)
+
+
 def test_train_help_shows_the_torchrun_forms(capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["train", "--help"])

@@ -32,7 +32,7 @@ LAYERS: dict[str, float] = {
     "strategies": 5.1,
     "optim": 5.2, "checkpoint": 5.2, "fault_tolerance": 5.2, "elastic": 5.2,
     "demo": 6, "cli": 6, "launch": 6, "testing": 6,
-    "__init__": 7,
+    "__init__": 7, "__main__": 7,
 }
 SUB_LAYERS = {5.0: "5a", 5.1: "5b", 5.2: "5c"}
 LONG_MODULE = 700  # lines; a longer module gets a warning (split along concepts, not to fit a number)

@@ -28,17 +28,13 @@ from typing import Any
 
 from ..engines.torch_dist.store_probe import StoreProbe
 from ..engines.torch_dist import WorkerFailedError
-from ..errors import CrossReplicaError
+from ..errors import FencedOutError
 from .job_store import poll
 
 __all__ = ["FencedOutError", "Membership", "StoreCalls", "agree", "announce_growth", "await_invitation",
            "epoch_prefix", "found", "give_up", "growth", "joiners_waiting", "latest", "request_join"]
 
 _UNANSWERED = object()
-
-
-class FencedOutError(CrossReplicaError):
-    """This worker was left out of the job's new membership (it was judged lost)."""
 
 
 @dataclasses.dataclass(frozen=True)
