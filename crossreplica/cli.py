@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import logging
 import os
 import sys
@@ -280,6 +282,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "launch":
         return launch_module.main(args)
     if args.command == "train":
+        if not faulthandler.is_enabled():
+            # A crash inside a native library (SIGABRT, SIGSEGV) prints every thread's Python
+            # stack, so a worker that dies that way says where.
+            with contextlib.suppress(AttributeError, OSError, ValueError):  # a stderr without a file
+                faulthandler.enable()
         if args.log_level is None:
             return _train(args)
         logger = logging.getLogger(LOGGER_NAME)

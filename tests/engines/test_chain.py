@@ -97,6 +97,37 @@ def test_chain_is_the_left_fold_on_three_workers():
     _check(run_workers(_reduce_on_layouts, 3, args=([[[0, 1], [2]], [[0], [1, 2]]],)))
 
 
+def _mismatched_on_the_chain(strategy: cr.Strategy, hosts: list) -> tuple[str, str]:
+    """Replica 1 takes the max where the others sum: what each worker raised."""
+    from crossreplica.engines.torch_dist import chain
+
+    eng = strategy.extended.engine
+    eng.shared_memory, eng.hosts, chain.PIECE_BYTES = None, [tuple(h) for h in hosts], 24
+
+    def fn():
+        rid = cr.get_replica_context().replica_id_in_sync_group
+        return cr.all_reduce(torch.ones(100) * rid, "max" if rid == 1 else "sum")
+    try:
+        strategy.run(fn)
+    except Exception as e:  # noqa: BLE001 - what the worker raised is the result
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+def test_different_calls_along_the_chain_fail_before_the_data_moves():
+    """Each worker swaps its call's stamp with the peers it exchanges data with, before any
+    data: the neighbours of the worker whose call differs name it, and the others are
+    released, none waiting for the timeout."""
+    import time
+
+    start = time.monotonic()
+    got = run_workers(_mismatched_on_the_chain, 4, args=([[0, 1], [2, 3]],), timeout_seconds=60)
+    assert time.monotonic() - start < 45, got
+    assert all(kind != "no error" for kind, _ in got), got
+    named = [msg for kind, msg in got if kind == "CollectiveMismatchError"]
+    assert any("found by the chain of hosts before the data moved" in m for m in named), got
+
+
 def _train_overlapped(strategy: cr.Strategy, hosts: list, chain_on: bool) -> dict:
     """A few steps of CrossShardOptimizer(overlap=True) (buckets of 8 KiB): along the chain,
     on its thread during backward, or through ordered.py, run now."""

@@ -19,8 +19,11 @@ costs a dict lookup. Where the stamps are compared:
 * **the backend** (gloo: every other path): before the data moves, one small all-reduce
   of check elements (:func:`check_elements`, the maximum of ``d`` and of ``-d`` per digit
   of the digest), since gloo aborts a process whose peer sends another size
-  (``signatures.precheck``); the chain's overlapped buckets are not prechecked (a
-  collective beside the chains under way would meet the workers in different orders);
+  (``signatures.precheck``); in front of an all-reduce's buffer, the elements ride with
+  the data instead;
+* **the chain of hosts** (``chain.py``, its synchronous calls and the overlapped buckets
+  alike): each worker swaps the stamp with the peers it exchanges data with, on the
+  chain's thread, before any data message: one round trip to the neighbours;
 * **a wait that stalls**: each worker posts its latest call's number and digest with its
   progress; a peer that waits at a call of the same number with another digest is a
   mismatch (``watchdog.raise_if_calls_differ``), which catches the calls that meet on

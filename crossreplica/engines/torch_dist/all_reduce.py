@@ -40,7 +40,6 @@ from .agreement import (CHECKED_DTYPES, CHECKED_OPS, STAMP_DIGITS, Stamp, check_
 from .chain import Hosts, chain_all_reduce, chain_hosts, drain, start_chain
 from .ordered import ordered_all_reduce
 from .plan import GroupPlan, Step, by_worker_set
-from .signatures import precheck
 from .staging import stageable
 
 if TYPE_CHECKING:
@@ -173,10 +172,10 @@ def _start_on_host(eng: TorchDistEngine, call: Call, tensors: list[torch.Tensor]
     """Starts the call on host tensors: along the chain of ``hosts``, through the same-host
     path's buffers, or as async backend work (see :func:`start_all_reduce`)."""
     if hosts is not None:
-        # No precheck here: earlier chains may still be sending on the chain thread, and a
-        # collective of this thread's among them would meet the workers in different orders.
+        # Checked by the chain itself, on its thread: a collective of this thread's beside
+        # the chains still sending would meet the workers in different orders.
         eng.begin([call])
-        return start_chain(eng, hosts, call.params.op, tensors)
+        return start_chain(eng, hosts, call.params.op, tensors, stamp_of(eng.watchdog.count, [call]))
     drain(eng)
     eng.begin([call])
     if eng.shared_memory is not None and len(entry.workers) == eng.world_size:
@@ -334,8 +333,7 @@ def _reduced(eng: TorchDistEngine, step: Step) -> list[list[torch.Tensor]]:
         if ordered:
             hosts = chain_hosts(eng, workers, entries)
             if hosts is not None:
-                precheck(eng, calls)  # the chain's messages carry no stamp: the calls agree first
-                chain_all_reduce(eng, hosts, entries[0], ops[0], ordered, payloads, outs)
+                chain_all_reduce(eng, hosts, entries[0], ops[0], ordered, payloads, outs, stamp)
             else:
                 ordered_all_reduce(eng, workers, entries, ops, ordered, payloads, outs, stamp)
         # partials[(entry number, leaf)]: reduced over the local members, on the comm device

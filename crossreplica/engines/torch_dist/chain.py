@@ -42,6 +42,7 @@ from ...errors import CollectiveTimeoutError
 from ...reduce_op import ReduceOp
 from ..base import Pending
 from ..reduction import reduce_into
+from .agreement import Stamp, mismatch
 from .gather import gather_fixed
 from .plan import GroupPlan
 from .watchdog import Transfers
@@ -90,16 +91,17 @@ def chain_hosts(eng: TorchDistEngine, workers: tuple[int, ...], entries: list[Gr
 
 
 def chain_all_reduce(eng: TorchDistEngine, hosts: Hosts, entry: GroupPlan, op: ReduceOp, leaves: list[int],
-                     payloads: Sequence[list[torch.Tensor]], outs: list[list[Any]]) -> None:
+                     payloads: Sequence[list[torch.Tensor]], outs: list[list[Any]], stamp: Stamp) -> None:
     """Reduces ``leaves`` of the group of every replica (``entry``) into ``outs``, one
-    vector per dtype, along the chain of ``hosts``."""
+    vector per dtype, along the chain of ``hosts``; ``stamp``: the call's (the first
+    vector's messages start with it, :func:`reduce_vectors`)."""
     index, comm = eng.local_index, eng.comm_device
     ref = payloads[index[entry.local[0]]]
-    for dtype in sorted({ref[leaf].dtype for leaf in leaves}, key=str):
+    for number, dtype in enumerate(sorted({ref[leaf].dtype for leaf in leaves}, key=str)):
         of_dtype = [leaf for leaf in leaves if ref[leaf].dtype == dtype]
         vectors = [torch.cat([payloads[index[rid]][leaf].reshape(-1) for leaf in of_dtype]).to(comm)
                    for rid in entry.local]
-        full = reduce_vectors(eng, hosts, op, vectors)
+        full = reduce_vectors(eng, hosts, op, vectors, stamp if number == 0 else None)
         offset = 0
         for leaf in of_dtype:
             numel = ref[leaf].numel()
@@ -108,10 +110,13 @@ def chain_all_reduce(eng: TorchDistEngine, hosts: Hosts, entry: GroupPlan, op: R
             offset += numel
 
 
-def reduce_vectors(eng: TorchDistEngine, hosts: Hosts, op: ReduceOp, vectors: list[torch.Tensor]) -> torch.Tensor:
+def reduce_vectors(eng: TorchDistEngine, hosts: Hosts, op: ReduceOp, vectors: list[torch.Tensor],
+                   stamp: Stamp | None) -> torch.Tensor:
     """The reduction over every replica of the 1-D ``vectors`` (this worker's replicas',
     one dtype, the same length everywhere): a new vector on the comm device. Every
-    message is posted at once, piece by piece, so the three steps overlap."""
+    message is posted at once, piece by piece, so the three steps overlap. With
+    ``stamp`` (the call's, ``agreement.py``), each worker first swaps it with every peer
+    it will exchange data with (:func:`_agree_with_peers`)."""
     h = next(i for i, host in enumerate(hosts) if eng.rank in host)
     host, rank, per_worker = hosts[h], eng.rank, eng.replicas_per_worker
     k_slices, numel, dtype = min(len(x) for x in hosts), vectors[0].numel(), vectors[0].dtype
@@ -127,6 +132,8 @@ def reduce_vectors(eng: TorchDistEngine, hosts: Hosts, op: ReduceOp, vectors: li
     linked = {host[k] for k in range(k_slices)} | (set(host) if owner else set())
     peers = tuple(sorted((linked | {p for p in (prev, nxt) if p is not None}) - {rank}))
     wait = eng.watchdog.transfers(peers)
+    if stamp is not None:
+        _agree_with_peers(eng, peers, stamp, wait)
     sent, finals = [], []
     for k in range(k_slices):
         if host[k] == rank:
@@ -146,6 +153,32 @@ def reduce_vectors(eng: TorchDistEngine, hosts: Hosts, op: ReduceOp, vectors: li
 
 
 _FINAL = 1 << 24  # the tags of reduced pieces (below: a piece's contributions, and the chain's prefixes)
+_STAMP = 1 << 25  # the tag of a call's stamp, swapped before its data
+
+
+def _agree_with_peers(eng: TorchDistEngine, peers: tuple[int, ...], stamp: Stamp, wait: Transfers) -> None:
+    """Swaps the call's stamp (its number and digest: two words, the same size whatever the
+    call) with each peer, before any data message, and raises CollectiveMismatchError
+    naming the first peer whose call differs (announced, so that the workers waiting
+    elsewhere in the chain are released). The workers and their chain links form one
+    connected graph, so peers that agree pairwise agree all: one round trip to the
+    neighbours in place of a collective over every worker (``signatures.precheck``), and
+    on the chain's own thread, in the order of its messages."""
+    mine = torch.tensor([stamp.seq, stamp.digest], dtype=torch.int64)
+    theirs = {peer: torch.empty(2, dtype=torch.int64) for peer in peers}
+    recvs = [dist.irecv(theirs[peer], peer, tag=_STAMP) for peer in peers]
+    sends = [dist.isend(mine, peer, tag=_STAMP) for peer in peers]
+    wait.expect(recvs + sends)
+    for peer, work in zip(peers, recvs):
+        wait(work)
+        seq, digest = theirs[peer].tolist()
+        if seq != stamp.seq or digest != stamp.digest:
+            error = mismatch(eng.rank, "found by the chain of hosts before the data moved", stamp.seq, stamp.call,
+                             peer, seq)
+            eng.watchdog.announce(str(error))  # only this worker's neighbours see it: release the rest
+            raise error
+    for work in sends:
+        wait(work)
 
 
 def _own_slice(eng: TorchDistEngine, host: tuple[int, ...], prev: int | None, nxt: int | None, op: ReduceOp,
@@ -203,7 +236,8 @@ def _pieces(n: int, dtype: torch.dtype) -> list[tuple[int, int]]:
     return [(a, min(a + step, n)) for a in range(0, n, step)]
 
 
-def start_chain(eng: TorchDistEngine, hosts: Hosts, op: ReduceOp, tensors: list[torch.Tensor]) -> Pending:
+def start_chain(eng: TorchDistEngine, hosts: Hosts, op: ReduceOp, tensors: list[torch.Tensor],
+                stamp: Stamp) -> Pending:
     """Starts the in-place all-reduce of ``tensors`` (one dtype, contiguous, on the comm
     device) along the chain on the engine's chain thread, so backward goes on while
     its pieces travel (CrossShardOptimizer(overlap=True)'s buckets). Chains run one at
@@ -212,7 +246,7 @@ def start_chain(eng: TorchDistEngine, hosts: Hosts, op: ReduceOp, tensors: list[
     flat = tensors[0].view(-1) if len(tensors) == 1 else torch.cat([t.view(-1) for t in tensors])
     if eng.chain_pool is None:
         eng.chain_pool = ThreadPoolExecutor(1, thread_name_prefix="crossreplica-chain")
-    future = eng.chain_pool.submit(reduce_vectors, eng, hosts, op, [flat])
+    future = eng.chain_pool.submit(reduce_vectors, eng, hosts, op, [flat], stamp)
     eng.chains.append(future)
 
     def finish() -> list[torch.Tensor]:
