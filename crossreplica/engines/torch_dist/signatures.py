@@ -1,10 +1,11 @@
 """The cross-worker agreement checks that run before a collective's data moves.
 
-:func:`precheck`, always: a call that goes through the backend (gloo: every path but
-same-host shared memory, which compares the stamps in its headers) first reduces its
-stamp (``agreement.py``) over every worker in one small collective (the maximum of
-``d`` and of ``-d`` for each digit of the digest), because gloo aborts a process whose
-peer sends another size, and mixes ops or dtypes of one size in silence. Only when the
+:func:`precheck`, always: a call of a kind other than all_reduce that goes through the
+backend (gloo) first reduces its stamp (``agreement.py``) over every worker in one small
+collective (the maximum of ``d`` and of ``-d`` for each digit of the digest), because
+gloo aborts a process whose peer sends another size, and mixes ops or dtypes of one size
+in silence. all_reduce checks its stamp on its own transport (check elements in front of
+gloo's buffer, the shared-memory headers, the gathered rows, the chain's stamp swap). Only when the
 stamps differ do the full calls travel, as below. NCCL's calls are not prechecked: the
 verdict would cost a host synchronisation per call (CROSSREPLICA_CHECK_COLLECTIVES=1
 checks them).
