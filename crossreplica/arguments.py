@@ -7,13 +7,14 @@ library's messages do.
 
 from __future__ import annotations
 
+import enum
 import math
 import numbers
 from typing import Any
 
 from .errors import summarize
 
-__all__ = ["check_call", "check_int", "check_number"]
+__all__ = ["NamedEnum", "check_call", "check_int", "check_number"]
 
 
 def _int_rule(low: int | None, high: int | None) -> str:
@@ -56,3 +57,17 @@ def check_call(fn: Any, args: Any, kwargs: Any, call: str | None = None) -> None
         raise TypeError(f"args must be a tuple or list of positional arguments; got {summarize(args)}")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict or None; got {summarize(kwargs)}")
+
+
+class NamedEnum(enum.Enum):
+    """An enum of crossreplica's public API whose arguments take a member or its name."""
+
+    @classmethod
+    def from_any(cls, value: Any, argname: str) -> Any:
+        """The member for a member or its (case-insensitive) name."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            return cls[value.upper()]
+        raise ValueError(f"{argname} must be a cr.{cls.__name__} ({', '.join(cls.__members__)}) or its name; "
+                         f"got {summarize(value)}")

@@ -53,7 +53,6 @@ rows, to batch with a DataLoader and pass to ``distribute_dataset``.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import warnings
@@ -64,7 +63,7 @@ import torch
 from torch.utils.data import Dataset
 
 from . import nest
-from .arguments import check_int
+from .arguments import NamedEnum, check_int
 from .errors import summarize
 from .input_shards import ShardedLoader, distributed_sampler, shardable, split_sizes
 from .logs import PortingWarning
@@ -79,7 +78,7 @@ __all__ = ["InputContext", "ValueContext", "DistributedDataset", "split_sizes", 
            "distribute_batch", "InputReplicationMode", "InputFunctionIterator", "NumpyDataset"]
 
 
-class InputReplicationMode(enum.Enum):
+class InputReplicationMode(NamedEnum):
     """How an input function is replicated (TF's ``tf.distribute.InputReplicationMode``):
     ``PER_WORKER`` calls it once per worker, whose pipeline feeds the worker's replicas
     in turn; ``PER_REPLICA`` (TF 2.4's) once per replica, which ``make_input_fn_iterator``
@@ -87,16 +86,6 @@ class InputReplicationMode(enum.Enum):
 
     PER_WORKER = "PER_WORKER"
     PER_REPLICA = "PER_REPLICA"
-
-    @classmethod
-    def from_any(cls, value: Any, argname: str) -> "InputReplicationMode":
-        """The member for a member or its (case-insensitive) name."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
-        raise ValueError(f"{argname} must be a cr.InputReplicationMode ({', '.join(cls.__members__)}) or its name; "
-                         f"got {summarize(value)}")
 
     def __str__(self) -> str:
         return f"cr.InputReplicationMode.{self.name}"

@@ -32,7 +32,6 @@ and operators take it, ``value()`` is the copy itself (gradients reach it),
 
 from __future__ import annotations
 
-import enum
 import functools
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from collections.abc import Callable
 import torch
 
 from . import context, nest
+from .arguments import NamedEnum
 from .errors import ReplicaContextError, summarize
 from .reduce_op import ReduceOp, check_dtype
 from .values import DistributedValues, Mirrored, PerReplica, select_replica
@@ -50,19 +50,7 @@ if TYPE_CHECKING:
 __all__ = ["Variable", "VariableAggregation", "VariableSynchronization"]
 
 
-class _Named(enum.Enum):
-    @classmethod
-    def from_any(cls, value: Any, argname: str) -> Any:
-        """The member for a member or its (case-insensitive) name."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
-        raise ValueError(f"{argname} must be a cr.{cls.__name__} ({', '.join(cls.__members__)}) or its name; "
-                         f"got {summarize(value)}")
-
-
-class VariableSynchronization(_Named):
+class VariableSynchronization(NamedEnum):
     """When a variable's copies are brought together: on every write, or when read."""
 
     AUTO = 0
@@ -71,7 +59,7 @@ class VariableSynchronization(_Named):
     ON_READ = 3
 
 
-class VariableAggregation(_Named):
+class VariableAggregation(NamedEnum):
     """How the values the replicas write (ON_WRITE) or hold (ON_READ) are combined."""
 
     NONE = 0

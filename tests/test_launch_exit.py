@@ -129,7 +129,8 @@ if strategy.extended.is_chief:
 def _launch(tmp_path, workers: int, *args: str) -> subprocess.CompletedProcess:
     cmd = [PYTHON, "-m", "crossreplica.cli", "launch", "--workers", str(workers), "--grace-seconds", "5", "--",
            *args]
-    env = {**subprocess_env(), "CROSSREPLICA_TIMEOUT": "30"}
+    env = subprocess_env()
+    env.pop("CROSSREPLICA_TIMEOUT", None)  # the default timeout: no wait in these runs may depend on it
     return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
 
 

@@ -23,6 +23,7 @@ starts, naming the object and the value, not when a peer first needs it.
 
 from __future__ import annotations
 
+import abc
 import copy
 import io
 import pickle
@@ -62,7 +63,7 @@ class Saved:
                 tp.foreach_copy_(self.buffers, list(tensors))
 
 
-class Handler:
+class Handler(abc.ABC):
     """One object of the training state (see the module docstring)."""
 
     kind = "object"
@@ -70,17 +71,21 @@ class Handler:
     def __init__(self, obj: Any):
         self.obj = obj
 
+    @abc.abstractmethod
     def snapshot(self) -> None:
-        raise NotImplementedError
+        """Keeps the object's state as it is now (a step's start), in memory."""
 
+    @abc.abstractmethod
     def rollback(self) -> None:
-        raise NotImplementedError
+        """Puts back the state of the last :meth:`snapshot`."""
 
+    @abc.abstractmethod
     def state(self) -> Any:
-        raise NotImplementedError
+        """The live state as tensors and plain values (what a joining worker loads)."""
 
+    @abc.abstractmethod
     def load(self, state: Any) -> None:
-        raise NotImplementedError
+        """Takes ``state`` (what :meth:`state` gave on another worker)."""
 
 
 class ModuleHandler(Handler):

@@ -27,6 +27,7 @@ stalled the caller's next op by 7-8 ms (BENCHMARKS.md, "A busy caller").
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
@@ -47,15 +48,9 @@ def _find_pause() -> Callable[[int], int] | None:
     if sys.platform == "win32":
         return None
     handles = []
-    try:
-        handles.append(ctypes.CDLL(None))
-    except OSError:
-        pass
-    for name in _RUNTIMES:  # already loaded only: never loads a runtime of its own
-        try:
-            handles.append(ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY))
-        except (OSError, AttributeError):
-            continue
+    for name in (None, *_RUNTIMES):  # the global namespace, then by name: only if already loaded
+        with contextlib.suppress(OSError, AttributeError):
+            handles.append(ctypes.CDLL(name) if name is None else ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY))
     for handle in handles:
         try:
             pause = handle.omp_pause_resource_all
