@@ -169,9 +169,12 @@ def test_slow_collective_names_the_replicas_not_arrived(caplog, monkeypatch):
     expected = (xs[0] + xs[1]) + xs[2]
     assert all(torch.equal(v, expected) for v in out.values)
     warned = [r.getMessage() for r in _records(caplog, logging.WARNING)]
-    assert warned == ["collective all_reduce(op=sum, groups=[[0, 1, 2]], shapes=[[4]], dtypes=['float32']) has "
-                      "waited 0.2s: replicas [1] have not arrived yet (replicas [0, 2] are waiting); it fails "
-                      "after 20s"], warned
+    # the wait it reports is measured: 0.2 s plus however late a loaded machine wakes the waiter
+    match = re.fullmatch(
+        r"collective all_reduce\(op=sum, groups=\[\[0, 1, 2\]\], shapes=\[\[4\]\], dtypes=\['float32'\]\) has "
+        r"waited ([0-9.]+)s: replicas \[1\] have not arrived yet \(replicas \[0, 2\] are waiting\); it fails "
+        r"after 20s", warned[0]) if len(warned) == 1 else None
+    assert match and 0.2 <= float(match.group(1)) < 1.0, warned
     done = [r.getMessage() for r in _records(caplog, logging.INFO) if "completed after" in r.getMessage()]
     assert len(done) == 1, done
     caplog.clear()
@@ -199,9 +202,10 @@ def test_a_slow_overlapped_bucket_reduction_names_the_replicas_not_arrived(caplo
     strategy.run(step, args=(model, opts, x, 1.0))
     warned = [r.getMessage() for r in _records(caplog, logging.WARNING)]
     # the wait it reports is measured: 0.2 s plus however late a loaded machine wakes the waiter
-    assert len(warned) == 1 and re.search(
-        r"has waited 0\.2\d*s: replicas \[1\] have not arrived yet \(replicas \[0\] are waiting; "
-        r"asynchronous round #1 of this run\); it fails after 20s", warned[0]), warned
+    match = re.search(
+        r"has waited ([0-9.]+)s: replicas \[1\] have not arrived yet \(replicas \[0\] are waiting; "
+        r"asynchronous round #1 of this run\); it fails after 20s", warned[0]) if len(warned) == 1 else None
+    assert match and 0.2 <= float(match.group(1)) < 1.0, warned
     caplog.clear()
     strategy.run(step, args=(model, opts, x, 0.0))  # on time: nothing
     assert not _records(caplog, logging.WARNING)
