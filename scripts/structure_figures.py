@@ -6,10 +6,12 @@
 
 Prints one table row per figure and one column per tree: modules, lines,
 docstring share, the longest module, positional reads of a collective's
-parameters, collective waits that keep their own deadline, signatures typed
+parameters, waits anywhere in the package that keep their own deadline, double
+their own pauses or sleep in a loop themselves (engines/deadline.py's jobs:
+:func:`hand_waits`), signatures typed
 ``Any`` (and the seams: a strategy, replica context or engine typed ``Any``),
 strategy classes built from mixins, and private torch uses outside the seam
-(found by tests/test_torch_private.py's scanner of this checkout).
+(found by tests/structure/test_torch_private.py's scanner of this checkout).
 """
 
 from __future__ import annotations
@@ -22,8 +24,12 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent.parent
 SEAM_NAMES = ("strategy", "rctx", "engine", "ext", "extended")
-# A wait that computes its own deadline or slow mark instead of asking engines/deadline.py.
-HAND_DEADLINE = re.compile(r"monotonic\(\)\s*\+\s*(self\.)?timeout|started \+ slow|acquire\(timeout=slow\)")
+# A wait that computes its own deadline, the time left to it, or its slow mark, instead of asking
+# engines/deadline.py ("end = time.monotonic() + grace", "deadline - time.monotonic()").
+HAND_DEADLINE = re.compile(r"monotonic\(\)\s*\+|-\s*(?:time\.)?monotonic\(\)|started \+ slow|acquire\(timeout=slow\)")
+# A pause a loop doubles itself ("pause = min(2 * pause, cap)") instead of Deadline.back_off.
+HAND_BACK_OFF = re.compile(r"\b(\w+)\s*=\s*min\(\s*(?:2\s*\*\s*\1|\1\s*\*\s*2)\b")
+WAITS = "engines/deadline.py"  # the one module that may
 # call.params[0], or an unpacking: "op, inplace = call.params"
 POSITIONAL = re.compile(r"params\[[0-9]+\](\[|\s|\)|,|$)|^\s*\w+\s*(,\s*\w+\s*)+,?\s*=\s*[\w.]*\.params\s*$"
                         r"|^\s*\w+\s*,\s*=\s*[\w.]*\.params\s*$", re.M)
@@ -33,8 +39,21 @@ def _functions(tree: ast.Module) -> list[ast.FunctionDef | ast.AsyncFunctionDef]
     return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
 
+def hand_waits(source: str) -> dict[str, int]:
+    """The waits of one module's ``source`` that do by hand what engines/deadline.py's
+    Deadline is for: deadlines (or time left) computed from the clock, pauses doubled by
+    the loop, and ``time.sleep`` calls inside a while-loop (Deadline.sleep, back_off)."""
+    sleeps = 0
+    for loop in ast.walk(ast.parse(source)):
+        if isinstance(loop, ast.While):
+            sleeps += sum(isinstance(n, ast.Call) and ast.unparse(n.func) in ("time.sleep", "sleep")
+                          for n in ast.walk(loop))
+    return {"deadline": len(HAND_DEADLINE.findall(source)),
+            "back-off": sum(1 for _ in HAND_BACK_OFF.finditer(source)), "sleep": sleeps}
+
+
 def _private_scanner(package: pathlib.Path):
-    spec = importlib.util.spec_from_file_location("_scan", HERE / "tests" / "test_torch_private.py")
+    spec = importlib.util.spec_from_file_location("_scan", HERE / "tests" / "structure" / "test_torch_private.py")
     assert spec is not None and spec.loader is not None
     scan = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(scan)
@@ -65,6 +84,7 @@ def figures(tree: pathlib.Path) -> dict[str, str]:
                          and ast.unparse(a.annotation).strip("'\"") == "Any" for a in args)
     longest = max(lines, key=lambda p: lines[p])
     engines = [p for p in files if ("engines" in p.parts or "collectives" in p.parts) and p.name != "deadline.py"]
+    waits = [hand_waits(text[p]) for p in files if p.relative_to(package).as_posix() != WAITS]
     violations = _private_scanner(package)
     return {
         "modules": str(len(files)),
@@ -73,8 +93,9 @@ def figures(tree: pathlib.Path) -> dict[str, str]:
         "longest module": f"{longest.relative_to(package)} ({lines[longest]})",
         "positional parameter reads (engines, collectives)": str(sum(len(POSITIONAL.findall(text[p]))
                                                                      for p in engines)),
-        "collective waits keeping their own deadline": str(sum(len(HAND_DEADLINE.findall(text[p]))
-                                                               for p in engines)),
+        "waits keeping their own deadline (package)": str(sum(w["deadline"] for w in waits)),
+        "loops doubling their own pause (package)": str(sum(w["back-off"] for w in waits)),
+        "time.sleep in while-loops (package)": str(sum(w["sleep"] for w in waits)),
         "signatures typed Any": f"{any_typed} of {signatures}",
         "strategy / rctx / engine typed Any": str(seams),
         "strategy classes with several bases (mixins)": str(sum(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import threading
 import time
 import weakref
@@ -35,6 +36,7 @@ from ..errors import (
     ReplicaAborted,
     replica_error,
 )
+from ..engines.deadline import Deadline
 
 __all__ = ["ReplicaThreads", "raise_first_failure"]
 
@@ -59,11 +61,11 @@ EXIT_JOIN_TIMEOUT = 5.0
 
 def _join(threads: Sequence[threading.Thread], timeout: float) -> None:
     """Joins ``threads`` (except the calling one) within ``timeout`` seconds in all."""
-    deadline = time.monotonic() + timeout
+    wait = Deadline(timeout, math.inf)
     me = threading.current_thread()
     for t in threads:
         if t is not me:
-            t.join(max(0.0, deadline - time.monotonic()))
+            t.join(wait.left)
     with _stopping_lock:
         _stopping.difference_update([t for t in threads if not t.is_alive()])
 

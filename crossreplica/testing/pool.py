@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import multiprocessing
 import multiprocessing.connection as mpc
 import os
@@ -47,7 +48,6 @@ import socket
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +59,7 @@ from torch.distributed.elastic.multiprocessing import (
     start_processes,
 )
 
+from crossreplica.engines.deadline import Deadline
 from crossreplica.testing.remote import WorkerFailure, WorkerPoolError
 from crossreplica.testing.worker import check_device_type, function_spec, serve
 
@@ -242,7 +243,7 @@ class WorkerPool:
             with _one_omp_thread(), _callers_signal_handlers():
                 for rank in range(self.num_workers):
                     self._workers.append(self._launch(rank, port, os.path.join(logroot, f"rank{rank}")))
-            replies = self._collect(list(range(self.num_workers)), time.monotonic() + START_LIMIT)
+            replies = self._collect(list(range(self.num_workers)), Deadline(START_LIMIT, math.inf))
             failures = {r: v["failure"] for r, v in replies.answers.items() if "failure" in v}
             if failures or replies.exited or replies.unanswered:
                 why = describe(failures, replies.exited, replies.unanswered, START_LIMIT)
@@ -337,7 +338,7 @@ class WorkerPool:
         if not self._workers:
             raise WorkerPoolError(f"{self!r} is not started: call start() or use it in a with statement")
         check_per_replica_args(self.num_replicas, per_replica_args)
-        start = time.monotonic()
+        wait = Deadline(job_limit(self.timeout_seconds), math.inf)
         spec = {**function_spec(fn), "mode": mode, "main_args": list(main_args)}
         rpw = self.replicas_per_worker
         # Every payload is pickled before any is sent: an unpicklable argument leaves no worker
@@ -352,7 +353,7 @@ class WorkerPool:
                 sent.append(w.rank)
             except OSError:
                 broken[w.rank] = self._exitcode(w)
-        replies = self._collect(sent, start + job_limit(self.timeout_seconds))
+        replies = self._collect(sent, wait)
         results: dict[int, Any] = {}
         failures: dict[int, WorkerFailure] = {}
         for rank, reply in replies.answers.items():
@@ -362,19 +363,15 @@ class WorkerPool:
                 results.update(reply["results"])
         exitcodes = {**broken, **replies.exited}
         ok = not (failures or exitcodes or replies.unanswered)
-        return Outcome(results, failures, exitcodes, replies.unanswered, "" if ok else self.logs(),
-                       time.monotonic() - start)
+        return Outcome(results, failures, exitcodes, replies.unanswered, "" if ok else self.logs(), wait.waited)
 
-    def _collect(self, ranks: list[int], deadline: float) -> _Replies:
-        """One message from each of ``ranks``, until ``deadline``; a worker that exits is noted."""
+    def _collect(self, ranks: list[int], wait: Deadline) -> _Replies:
+        """One message from each of ``ranks``, until ``wait`` expires; a worker that exits is noted."""
         pending = {self._workers[r].conn: self._workers[r] for r in ranks}
         answers: dict[int, Any] = {}
         exited: dict[int, int | None] = {}
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            for conn in mpc.wait(list(pending), timeout=min(left, 1.0)):
+        while pending and not wait.expired():
+            for conn in mpc.wait(list(pending), timeout=min(wait.left, 1.0)):
                 w = pending.pop(conn)  # type: ignore[call-overload]
                 try:
                     answers[w.rank] = pickle.loads(w.conn.recv_bytes())

@@ -50,3 +50,73 @@ def test_the_default_slow_mark_follows_the_settings(clock, monkeypatch):
     wait = Deadline(8.0)
     assert wait.next_block() == 2.0 and wait.end == 108.0 and wait.timeout == 8.0
     assert math.isclose(wait.started, 100.0)
+
+
+@pytest.fixture
+def sleeps(clock, monkeypatch):
+    """The pauses slept (each advances the fake clock) and the yields, in order."""
+    slept: list[float | str] = []
+
+    def sleep(seconds: float) -> None:
+        assert seconds >= 0
+        slept.append(seconds)
+        clock.now += seconds
+
+    monkeypatch.setattr(deadline_module.time, "sleep", sleep)
+    monkeypatch.setattr(deadline_module.os, "sched_yield", lambda: slept.append("yield"))
+    return slept
+
+
+def _doubling(first: float, most: float, timeout: float) -> list[float]:
+    """The pauses a plain doubling loop capped at ``most`` sleeps until ``timeout``, the last cut at it."""
+    out, pause, t = [], first, 0.0
+    while t < timeout:
+        out.append(min(pause, timeout - t))
+        t += out[-1]
+        pause = min(2 * pause, most)
+    return out
+
+
+def test_back_off_doubles_up_to_the_cap_and_never_sleeps_past_the_deadline(clock, sleeps):
+    wait = Deadline(1.0, slow=math.inf)
+    while not wait.expired():
+        wait.back_off(0.05, 0.3)
+    assert sleeps == pytest.approx(_doubling(0.05, 0.3, 1.0))
+    assert max(sleeps) == 0.3 and sum(sleeps) == pytest.approx(1.0)  # capped; ends on the deadline
+    wait.back_off(0.05, 0.3)
+    assert sleeps[-1] == 0.0  # past the deadline: no pause at all
+
+
+def test_back_off_yields_during_the_spin_then_sleeps_from_the_first_pause(clock, sleeps):
+    wait = Deadline(10.0, slow=math.inf)
+    wait.back_off(0.01, 0.04, spin=0.5)
+    clock.now += 0.2
+    wait.back_off(0.01, 0.04, spin=0.5)
+    clock.now += 0.3  # the spin is over
+    for _ in range(4):
+        wait.back_off(0.01, 0.04, spin=0.5)
+    assert sleeps[:2] == ["yield", "yield"]
+    assert sleeps[2:] == pytest.approx(_doubling(0.01, 0.04, 0.01 + 0.02 + 0.04 + 0.04))  # from the first pause
+
+
+def test_the_pauses_go_on_across_waits_sharing_a_deadline(clock, sleeps):
+    wait = Deadline(10.0, slow=math.inf)
+    wait.back_off(0.01, 1.0)
+    wait.back_off(0.01, 1.0)
+    wait.back_off(0.01, 1.0)
+    assert sleeps == pytest.approx([0.01, 0.02, 0.04])
+    Deadline(10.0, slow=math.inf).back_off(0.01, 1.0)  # another wait starts from its first pause
+    assert sleeps[-1] == 0.01
+
+
+def test_sleep_and_left_stop_at_the_deadline(clock, sleeps):
+    wait = Deadline(1.0, slow=math.inf)
+    assert wait.left == 1.0
+    wait.sleep(0.4)
+    assert wait.left == pytest.approx(0.6) and not wait.expired()
+    wait.sleep(5.0)  # cut at the deadline
+    assert sleeps == pytest.approx([0.4, 0.6]) and wait.expired() and wait.left == 0.0
+    clock.now += 3
+    assert wait.left == 0.0  # never negative
+    wait.sleep(1.0)
+    assert sleeps[-1] == 0.0
