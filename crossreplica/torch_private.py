@@ -1,7 +1,7 @@
 """The one seam between crossreplica and torch's private APIs.
 
 Every private torch symbol the package uses is reached through this module, and
-nowhere else (``tests/test_torch_private.py`` scans the package for any other
+nowhere else (``tests/structure/test_torch_private.py`` scans the package for any other
 use). Each one is declared once, below, with what it is, the oldest torch where
 it exists in the form used (verified on the torch the package pins; older
 entries are from torch's history) and what in crossreplica breaks without it;

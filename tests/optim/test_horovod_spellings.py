@@ -25,6 +25,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from plain_torch import replica_mean
 
 import crossreplica as cr
 from crossreplica.optim import CrossShardOptimizer
@@ -54,17 +55,9 @@ def _params(m: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in m.parameters()]
 
 
-def _engine_mean(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The engines' mean: summed left to right in replica order, then divided by the count."""
-    out = grads[0] + grads[1] if len(grads) > 1 else grads[0].clone()
-    for g in grads[2:]:
-        out += g
-    return out / len(grads)
-
-
 def _set_mean_grads(model: nn.Module, per_replica: list[list[torch.Tensor]]) -> None:
     for p, *gs in zip(model.parameters(), *per_replica):
-        p.grad = _engine_mean(gs)
+        p.grad = replica_mean(gs)
 
 
 def _replica_grads(model: nn.Module, loss_fn) -> list[torch.Tensor]:

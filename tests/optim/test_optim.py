@@ -1,9 +1,11 @@
 """CrossShardOptimizer: N replicas train exactly like one device on the concatenated batch."""
 
 import copy
+import functools
 
 import pytest
 import torch
+from plain_torch import cross_entropy, one_device_training
 from torch import nn
 from torch.nn import functional as F
 
@@ -47,18 +49,14 @@ def test_matches_one_device_training(n, opt_name):
     batches = [(torch.randn(16, 6), torch.randint(0, 3, (16,))) for _ in range(4)]
     batches.append((torch.randn(10, 6), torch.randint(0, 3, (10,))))
     net = make_net()
-    ref = copy.deepcopy(net)
-    ref_opt = OPTIMIZERS[opt_name](ref.parameters())
+    ref = one_device_training(net, OPTIMIZERS[opt_name], batches, cross_entropy)
     s = strategy(n)
     model = s.mirror(net)
     opts = s.run(lambda m: CrossShardOptimizer(OPTIMIZERS[opt_name](m.parameters())), args=(model,))
     for x, y in batches:
         s.run(train_step, args=(model, opts, split(x, n), split(y, n)))
-        ref_opt.zero_grad()
-        F.cross_entropy(ref(x), y).backward()
-        ref_opt.step()
     copies = s.experimental_local_results(model)
-    for p, q in zip(copies[0].parameters(), ref.parameters()):
+    for p, q in zip(copies[0].parameters(), ref.params):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     for m in copies[1:]:
         for p, q in zip(copies[0].parameters(), m.parameters()):
@@ -149,9 +147,8 @@ def test_synchronize_then_step_reduces_once(monkeypatch):
 
     s.run(body, args=(model,))
     assert count["n"] == 1
-    F.cross_entropy(ref(x), y).backward()
-    torch.optim.SGD(ref.parameters(), lr=0.5).step()
-    for p, q in zip(model.values[1].parameters(), ref.parameters()):
+    want = one_device_training(ref, functools.partial(torch.optim.SGD, lr=0.5), [(x, y)], cross_entropy).params
+    for p, q in zip(model.values[1].parameters(), want):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
@@ -226,8 +223,7 @@ def test_sparse_gradients(n):
     batches = [(torch.randint(0, 20, (8, 3)), torch.randint(0, 3, (8,))) for _ in range(3)]
     batches.append((torch.randint(0, 20, (3, 3)), torch.randint(0, 3, (3,))))  # a replica gets no rows
     net = EmbedNet()
-    ref = copy.deepcopy(net)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref = one_device_training(net, functools.partial(torch.optim.SGD, lr=0.5), batches, cross_entropy)
     s = strategy(n)
     model = s.mirror(net)
     opts = s.run(lambda m: CrossShardOptimizer(torch.optim.SGD(m.parameters(), lr=0.5)), args=(model,))
@@ -240,14 +236,11 @@ def test_sparse_gradients(n):
 
     for x, y in batches:
         grads = s.run(step, args=(model, opts, split(x, n), split(y, n)))
-        ref_opt.zero_grad()
-        F.cross_entropy(ref(x), y).backward()
-        ref_opt.step()
     g0 = s.experimental_local_results(grads)[0]
     assert g0.is_sparse and (n == 1 or g0.is_coalesced())  # a group of one: untouched, as plain torch
-    torch.testing.assert_close(g0.to_dense(), ref.emb.weight.grad.to_dense(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g0.to_dense(), ref.model.emb.weight.grad.to_dense(), rtol=1e-5, atol=1e-6)
     copies = s.experimental_local_results(model)
-    for p, q in zip(copies[0].parameters(), ref.parameters()):
+    for p, q in zip(copies[0].parameters(), ref.params):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     for m in copies[1:]:
         assert all(torch.equal(p, q) for p, q in zip(copies[0].parameters(), m.parameters()))
@@ -526,8 +519,6 @@ def test_one_loaded_state_dict_in_every_replica_is_not_shared():
     warm.step()
     saved = warm.state_dict()
     ref = copy.deepcopy(net)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
-    ref_opt.load_state_dict(copy.deepcopy(saved))
     s = strategy(2)
     model = s.mirror(net)
 
@@ -540,13 +531,19 @@ def test_one_loaded_state_dict_in_every_replica_is_not_shared():
     batches = [(torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(3)]
     for x, y in batches:
         s.run(_resume_step, args=(model, opts, split(x, 2), split(y, 2)))
-        _resume_step(ref, ref_opt, x, y)
+
+    def resumed(params):
+        opt = torch.optim.AdamW(params, lr=0.01)
+        opt.load_state_dict(copy.deepcopy(saved))
+        return opt
+
+    want = one_device_training(ref, resumed, batches, cross_entropy)
     local_opts = s.experimental_local_results(opts)
-    ref_steps = [float(st["step"]) for st in ref_opt.state.values()]
+    ref_steps = [float(st["step"]) for st in want.optimizer.state.values()]
     for opt in local_opts:
         assert [float(st["step"]) for st in opt.state.values()] == ref_steps
     a, b = (list(o.state.values()) for o in local_opts)
     assert all(sa["exp_avg"].data_ptr() != sb["exp_avg"].data_ptr() for sa, sb in zip(a, b))
     for m in s.experimental_local_results(model):
-        for p, q in zip(m.parameters(), ref.parameters()):
+        for p, q in zip(m.parameters(), want.params):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -14,6 +14,7 @@ import io
 
 import pytest
 import torch
+from plain_torch import cross_entropy, one_device_training
 from torch import nn
 from torch.nn import functional as F
 
@@ -71,7 +72,7 @@ def split_batches(batches, n):
 
 
 def train(model, opt, batches, use_closure, weighted=False):
-    """The training loop a user writes; the same for replicas and for the reference."""
+    """The training loop a user writes, on each replica (the reference: plain_torch.one_device_training)."""
     losses = []
     for x, y in batches:
         def closure(x=x, y=y):
@@ -95,12 +96,6 @@ def _replica_train(name, model, batches, use_closure, weighted):
     return [p.detach().clone() for p in model.parameters()], losses
 
 
-def reference(name, net, batches, use_closure):
-    model = copy.deepcopy(net)
-    losses = train(model, OPTIMIZERS[name](model.parameters()), batches, use_closure)
-    return [p.detach() for p in model.parameters()], losses
-
-
 def assert_matches(results, expected_params, expected_losses=None, rtol=1e-5, atol=1e-6):
     for params, losses in results:
         for p, q in zip(params, expected_params):
@@ -120,8 +115,9 @@ def test_every_torch_optimizer_matches_one_device(run_replicas, name, use_closur
     net = make_net()
     results = run_replicas(_replica_train, n, [name] * n, [copy.deepcopy(net) for _ in range(n)],
                            split_batches(batches, n), [use_closure] * n, [False] * n)
-    expected, losses = reference(name, net, batches, use_closure)
-    assert_matches(results, expected, losses if use_closure else None, **TOLERANCE.get(name, {}))
+    ref = one_device_training(net, OPTIMIZERS[name], batches, cross_entropy, closure=use_closure)
+    assert_matches(results, ref.params, [loss.item() for loss in ref.losses] if use_closure else None,
+                   **TOLERANCE.get(name, {}))
 
 
 @pytest.mark.parametrize("name", ["LBFGS", "LBFGS_strong_wolfe", "Adam"])
@@ -132,8 +128,8 @@ def test_closure_with_uneven_batches_and_weights(run_replicas, name):
     net = make_net()
     results = run_replicas(_replica_train, n, [name] * n, [copy.deepcopy(net) for _ in range(n)],
                            split_batches(batches, n), [True] * n, [True] * n)
-    expected, losses = reference(name, net, batches, True)
-    assert_matches(results, expected, losses, **TOLERANCE.get(name, {}))
+    ref = one_device_training(net, OPTIMIZERS[name], batches, cross_entropy, closure=True)
+    assert_matches(results, ref.params, [loss.item() for loss in ref.losses], **TOLERANCE.get(name, {}))
 
 
 class EmbedNet(nn.Module):

@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from plain_torch import cross_entropy, one_device_training
 from torch import nn
 
 import crossreplica as cr
@@ -505,18 +506,10 @@ def _small_batches(sizes, seed=3):
 
 
 def _plain_torch(sizes, accumulate=1):
-    """The same steps on one device with plain torch: the mean loss over each batch's rows."""
-    model = _small_net()
-    opt = _sgd(model.parameters())
-    losses = []
-    for i, (x, y) in enumerate(_small_batches(sizes)):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        if (i + 1) % accumulate == 0:
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-    return model.state_dict(), losses
+    """The same steps on one device with plain torch: the mean loss over each batch's rows; the
+    state and the loss of each step's last batch."""
+    ref = one_device_training(_small_net(), _sgd, _small_batches(sizes), cross_entropy, accumulate=accumulate)
+    return ref.model.state_dict(), ref.losses[accumulate - 1::accumulate]
 
 
 def _small_train(strategy, sizes, accumulate=1):

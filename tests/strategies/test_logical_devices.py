@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from plain_torch import mean_gradients
 
 import crossreplica as cr
 from crossreplica.errors import ReplicaContextError
@@ -177,13 +178,7 @@ def test_model_parallel_inside_data_parallel_matches_plain_torch():
     xs = [torch.linspace(-1, 1, 12).reshape(3, 4) * (r + 1) for r in range(2)]
     ys = [torch.ones(3, 1) * r for r in range(2)]
     got = s.experimental_local_results(s.run(_stage_step, args=(s, models, cr.PerReplica(xs), cr.PerReplica(ys))))
-    ref_model = _TwoStage()
-    per_replica = []
-    for x, y in zip(xs, ys):
-        ref_model.zero_grad()
-        ((ref_model.b(torch.relu(ref_model.a(x))) - y) ** 2).mean().backward()
-        per_replica.append([p.grad.clone() for p in ref_model.parameters()])
-    ref = [(g0 + g1) / 2 for g0, g1 in zip(*per_replica)]
+    ref = mean_gradients(_TwoStage(), lambda m, x, y: ((m.b(torch.relu(m.a(x))) - y) ** 2).mean(), list(zip(xs, ys)))
     for grads in got:
         for g, r in zip(grads, ref):
             torch.testing.assert_close(g, r)

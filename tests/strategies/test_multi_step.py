@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from plain_torch import mse, one_device_training
 
 import crossreplica as cr
 from crossreplica.testing import run_workers
@@ -44,16 +45,9 @@ def _model() -> torch.nn.Module:
 
 
 def _reference() -> tuple[list[torch.Tensor], list[float]]:
-    """Plain PyTorch on the whole global batch: the weights after every step and the losses."""
-    model, losses = _model(), []
-    for x, y in _batches():
-        loss = ((model(x) - y) ** 2).mean()
-        grads = torch.autograd.grad(loss, list(model.parameters()))
-        with torch.no_grad():
-            for p, g in zip(model.parameters(), grads):
-                p -= LR * g
-        losses.append(loss.item())
-    return [p.detach() for p in model.parameters()], losses
+    """Plain PyTorch on the whole global batch: the weights after the last step and every loss."""
+    ref = one_device_training(_model(), functools.partial(torch.optim.SGD, lr=LR), _batches(), mse)
+    return ref.params, [loss.item() for loss in ref.losses]
 
 
 def _train_step(models: cr.Mirrored, batch) -> torch.Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from plain_torch import replica_mean
 
 import crossreplica as cr
 
@@ -163,11 +164,8 @@ def reference(schedule: list[int], noise: bool = True) -> dict[str, Any]:
             model.zero_grad()
             scaler.scale(((model(xr) - yr) ** 2).mean()).backward()
             grads.append([p.grad.clone() for p in model.parameters()])
-        for i, p in enumerate(model.parameters()):
-            total = grads[0][i]
-            for g in grads[1:]:
-                total = total + g[i]
-            p.grad = total / n
+        for p, *per_replica in zip(model.parameters(), *grads):
+            p.grad = replica_mean(per_replica)
         scaler.step(opt)
         scaler.update()
         sched.step()

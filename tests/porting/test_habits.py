@@ -12,6 +12,7 @@ replicas (MirroredStrategy) and on worker processes (crossreplica.testing.run_wo
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from harness import run_layout as run_main
+from plain_torch import mse, one_device_training
 
 import crossreplica as cr
 from crossreplica.logs import ReplicasDivergeWarning
@@ -129,11 +131,8 @@ def _clipped(strategy, mode: str):
 
 def _clipped_reference() -> list[torch.Tensor]:
     """DDP's numbers: the mean gradient of the whole batch, clipped, then one SGD step."""
-    model = _model()
-    _loss(model, _data()).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-    with torch.no_grad():
-        return [p - 0.5 * p.grad for p in model.parameters()]
+    return one_device_training(_model(), functools.partial(torch.optim.SGD, lr=0.5), [_data()], mse,
+                               before_step=lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)).params
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -19,7 +19,7 @@ import torch
 
 from crossreplica import torch_private as tp
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent / "crossreplica"
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "crossreplica"
 
 #: Every private symbol the package uses (add here when the seam declares a new one).
 SYMBOLS = {

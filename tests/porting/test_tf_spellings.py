@@ -20,6 +20,7 @@ Behaviour the engines share runs on threads and on worker processes.
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 
@@ -29,6 +30,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from harness import run_layout as run_main
+from plain_torch import mse, one_device_training
 
 import crossreplica as cr
 
@@ -319,16 +321,9 @@ def _fresh_model() -> torch.nn.Module:
 
 def _plain_torch() -> list[torch.Tensor]:
     """One device, each global batch whole, the mean loss, plain SGD."""
-    model = _fresh_model()
     x, y = map(torch.from_numpy, _data())
-    for s in range(STEPS):
-        rows = slice(s * GLOBAL, (s + 1) * GLOBAL)
-        model.zero_grad()
-        ((model(x[rows]) - y[rows]) ** 2).mean().backward()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.sub_(LR * p.grad)
-    return [p.detach() for p in model.parameters()]
+    return one_device_training(_fresh_model(), functools.partial(torch.optim.SGD, lr=LR),
+                               zip(x.split(GLOBAL), y.split(GLOBAL)), mse).params
 
 
 def _tpu_step(model, batch):

@@ -18,6 +18,7 @@ Skipped, with the reason, where no CUDA device is visible.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -27,6 +28,7 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from plain_torch import cross_entropy, one_device_training
 
 import crossreplica as cr
 import crossreplica.testing as crt
@@ -261,17 +263,6 @@ def _data(rows: int = 32, steps: int = 3):
     return [(torch.randn(rows, 12, generator=g), torch.randint(0, 5, (rows,), generator=g)) for _ in range(steps)]
 
 
-def _reference(make_opt, steps) -> list[torch.Tensor]:
-    """Plain torch on one GPU, the global batch at once."""
-    model = _net().cuda()
-    opt = make_opt(model.parameters())
-    for x, y in steps:
-        opt.zero_grad()
-        F.cross_entropy(model(x.cuda()), y.cuda()).backward()
-        opt.step()
-    return [p.detach().cpu() for p in model.parameters()]
-
-
 def _train(steps, overlap: bool, sharded: bool, weighted: bool):
     device = cr.get_replica_context().device
     rid, n = cr.replica_id(), cr.num_replicas()
@@ -303,8 +294,10 @@ def test_cross_shard_optimizer_trains_as_one_gpu(layout, overlap, sharded, weigh
     for params in outs[1:]:  # replicas bitwise identical
         for p, q in zip(outs[0], params):
             assert torch.equal(p, q)
-    reference = _reference(lambda ps: torch.optim.Adam(ps, lr=1e-2), steps)
-    for p, r in zip(outs[0], reference):
+    # plain torch on one GPU, the global batch at once
+    reference = one_device_training(_net(), functools.partial(torch.optim.Adam, lr=1e-2), steps, cross_entropy,
+                                    device="cuda").params
+    for p, r in zip(outs[0], (t.cpu() for t in reference)):
         torch.testing.assert_close(p, r, rtol=1e-4, atol=1e-4)
 
 
@@ -691,7 +684,7 @@ def test_a_kernel_without_a_deterministic_form_fails_the_run_on_cuda():
 
 # ---------------------------------------------------------------------- fault tolerance
 #
-# tests/support/fault_points.py under `crossreplica launch`, as tests/test_fault_tolerance.py runs
+# tests/support/fault_points.py under `crossreplica launch`, as tests/elastic/test_fault_tolerance.py runs
 # it, with every worker's replica on the GPUs (three workers share one GPU: gloo carries the CUDA
 # tensors; NCCL cannot put two ranks on a GPU), in the layout-invariant mode, with dropout and
 # torch.use_deterministic_algorithms(True).

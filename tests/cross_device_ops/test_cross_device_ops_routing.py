@@ -11,11 +11,13 @@ test; numbers are compared with plain torch, summed in replica order.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from plain_torch import one_device_training
 
 import crossreplica as cr
 import crossreplica.testing as crt
@@ -136,18 +138,9 @@ def _routing_main(base):
 
 def _reference_step():
     """Plain torch: each replica's gradient, their mean in replica order, one SGD step."""
-    model = _model()
-    grads = []
-    for r in range(N):
-        model.zero_grad()
-        x, y = _batch(r)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for p, gs in zip(model.parameters(), zip(*grads)):
-        p.grad = sequential(list(gs)) / N
-    opt.step()
-    return [p.detach() for p in model.parameters()]
+    global_batch = tuple(torch.cat(t) for t in zip(*(_batch(r) for r in range(N))))
+    return one_device_training(_model(), functools.partial(torch.optim.SGD, lr=0.1), [global_batch],
+                               lambda m, x, y: torch.nn.functional.mse_loss(m(x), y), replicas=N).params
 
 
 def test_every_reduction_goes_through_cross_device_ops(engine):

@@ -22,7 +22,7 @@ import crossreplica as cr
 import crossreplica.testing as crt
 from crossreplica import values as cr_values
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
 

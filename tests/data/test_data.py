@@ -196,7 +196,7 @@ def test_distribute_datasets_from_function():
     assert isinstance(ctx, cr.InputContext)
     assert (ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync) == (1, 0, 2)
     batches = [s.experimental_local_results(b) for b in dist]
-    # the replicas take whole per-replica batches in turn (tests/test_tf_input.py has more)
+    # the replicas take whole per-replica batches in turn (tests/data/test_tf_input.py has more)
     assert len(batches) == len(dist) == 2
     assert [p.tolist() for p in batches[1]] == [[20.0, 21.0], [30.0, 31.0]]
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARDS = os.path.join(REPO, "scripts", "test-shards")
 
 
@@ -26,7 +26,7 @@ def _collected(log: str) -> set[str]:
 
 def test_shards_cover_the_suite_once_each_and_leave_out_what_is_ignored(tmp_path):
     logs = str(tmp_path / "logs")
-    done = _shard(["3", logs, "--collect-only", "--ignore=tests/test_cuda.py"])
+    done = _shard(["3", logs, "--collect-only", "--ignore=tests/devices/test_cuda.py"])
     assert done.returncode == 0, done.stdout + done.stderr
     shards = [_collected(os.path.join(logs, f"shard-{k}.log")) for k in range(3)]
     assert all(shards)
@@ -34,7 +34,7 @@ def test_shards_cover_the_suite_once_each_and_leave_out_what_is_ignored(tmp_path
     files = {test.split("::")[0] for shard in shards for test in shard}
     on_disk = {os.path.relpath(os.path.join(d, f), REPO) for d, _, fs in os.walk(os.path.join(REPO, "tests"))
                for f in fs if f.startswith("test_") and f.endswith(".py")}
-    assert files == on_disk - {os.path.join("tests", "test_cuda.py")}
+    assert files == on_disk - {os.path.join("tests", "devices", "test_cuda.py")}
     assert done.stdout.count("shard ") == 3  # each shard's last line, printed at the end
 
 

@@ -10,6 +10,7 @@ Training checks run in one process (MirroredStrategy threads) and across worker 
 from __future__ import annotations
 
 import copy
+import functools
 import pickle
 import warnings
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from harness import run_layout as run_main
+from plain_torch import one_device_training
 
 import crossreplica as cr
 
@@ -41,14 +43,10 @@ def _fresh_model() -> torch.nn.Module:
 
 def _plain_torch(weight_decay: float = 0.0) -> list[torch.Tensor]:
     """One device, the whole batch, the mean loss (plus an L2 term counted once)."""
-    model = _fresh_model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for x, y in _batches():
-        opt.zero_grad()
-        loss = ((model(x) - y) ** 2).mean() + weight_decay * model.weight.pow(2).sum()
-        loss.backward()
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    def loss(model, x, y):
+        return ((model(x) - y) ** 2).mean() + weight_decay * model.weight.pow(2).sum()
+
+    return one_device_training(_fresh_model(), functools.partial(torch.optim.SGD, lr=LR), _batches(), loss).params
 
 
 def _params(strategy, model) -> list[list[torch.Tensor]]:

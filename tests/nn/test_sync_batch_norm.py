@@ -1,6 +1,7 @@
 """SyncBatchNorm equals one-device BatchNorm on the concatenated group batch."""
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from torch import nn
 
 from harness import run_layout
+from plain_torch import mse, one_device_training
 
 import crossreplica as cr
 from crossreplica.engines.base import Kind
@@ -220,12 +222,8 @@ def _torch_sync_bn_main(strategy) -> dict:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_torch_sync_batch_norm_trains_as_whole_batch_norm(layout):
-    reference = _bn_net()  # plain torch, one device: BatchNorm over each whole global batch
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for x, y in _bn_batches():
-        opt.zero_grad()
-        nn.functional.mse_loss(reference(x), y).backward()
-        opt.step()
+    # plain torch, one device: BatchNorm over each whole global batch
+    reference = one_device_training(_bn_net(), functools.partial(torch.optim.SGD, lr=0.1), _bn_batches(), mse).model
     for res in run_layout(_torch_sync_bn_main, layout):
         assert res["layer"] == "SyncBatchNorm" and len(res["warnings"]) == 1
         assert res["warnings"][0].startswith("strategy.mirror replaced 1 torch.nn.SyncBatchNorm layer(s) (['1']) "
