@@ -14,7 +14,7 @@ from typing import Any
 
 from .errors import summarize
 
-__all__ = ["NamedEnum", "check_call", "check_int", "check_number"]
+__all__ = ["NamedEnum", "check_address", "check_call", "check_int", "check_number"]
 
 
 def _int_rule(low: int | None, high: int | None) -> str:
@@ -46,6 +46,20 @@ def check_number(value: Any, name: str, *, positive: bool = False, hint: str = "
         rule = "a positive number (finite)" if positive else "a finite number >= 0"
         raise ValueError(f"{name} must be {rule}{hint}; got {summarize(value)}")
     return float(value)
+
+
+def check_address(text: str, name: str) -> tuple[str, int]:
+    """``HOST:PORT`` (an IPv6 host in brackets) as a host and a port.
+
+    Raises:
+        ValueError: naming ``name``, the text and the expected form.
+    """
+    host, sep, port = text.strip().rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{name} must be HOST:PORT with a port in 1..65535, e.g. 'node0:29400'; got "
+                         f"{summarize(text)}")
+    return host, int(port)
 
 
 def check_call(fn: Any, args: Any, kwargs: Any, call: str | None = None) -> None:

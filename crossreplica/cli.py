@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from . import launch as launch_module
+from .elastic import coordinator as coordinator_module
 from .demo import COMPRESSIONS, STRATEGIES, TrainConfig, TrainResult, train
 from .fault_tolerance import FencedOutError
 from .logs import LOGGER_NAME
@@ -158,10 +159,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="write crossreplica's log records at this level and above to stderr (set-up "
                             "at INFO, slow collectives and failures at WARNING/ERROR); default: none")
     launch = sub.add_parser(
-        "launch", help="start the workers of a one-host job; the survivors of a lost worker go on",
-        description="Starts WORKERS copies of COMMAND with torchrun's environment and hosts the job's store. "
-                    "Unlike torchrun, a worker that fails does not stop the others (for --fault-tolerant jobs).")
+        "launch", help="start a host's workers of a job; the survivors of a lost worker go on",
+        description="Starts WORKERS copies of COMMAND with torchrun's environment; hosts the job's store, or "
+                    "with --coordinator meets the other hosts' launchers at the job's coordinator. Unlike "
+                    "torchrun, a worker that fails does not stop the others (for --fault-tolerant jobs).")
     launch_module.add_arguments(launch)
+    coordinator = sub.add_parser(
+        "coordinator", help="serve a job's store apart from its workers, to the clients that know the job secret",
+        description="Runs the job's coordination service (its store: rendezvous, memberships, heartbeats) on any "
+                    "machine, holding no training state, so that losing any worker host leaves it standing. "
+                    "Every client authenticates with CROSSREPLICA_JOB_SECRET.")
+    coordinator_module.add_arguments(coordinator)
     return parser
 
 
@@ -281,6 +289,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.worker_command = worker_command
     if args.command == "launch":
         return launch_module.main(args)
+    if args.command == "coordinator":
+        return coordinator_module.main(args)
     if args.command == "train":
         if not faulthandler.is_enabled():
             # A crash inside a native library (SIGABRT, SIGSEGV) prints every thread's Python

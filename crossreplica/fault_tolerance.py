@@ -44,14 +44,15 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from . import store_keys
 from .engines.torch_dist import WorkerFailedError
-from .elastic import TrainingState
+from .elastic.state import TrainingState
 from .errors import CollectiveTimeoutError, ConfigurationWarning, ReplicaAborted, summarize
 from .optim import CrossShardOptimizer
 from .reduce_op import ReduceOp
 from .strategies.bootstrap import torchrun_agent
 from .strategies.membership import (FencedOutError, Membership, StoreCalls, agree, announce_growth, await_invitation,
-                                    epoch_prefix, found, give_up, growth, joiners_waiting, request_join)
+                                    found, give_up, growth, joiners_waiting, request_join)
 from .strategies.multi_worker import MultiWorkerExtended, MultiWorkerMirroredStrategy
 
 __all__ = ["FaultTolerance", "FencedOutError"]
@@ -131,6 +132,7 @@ class FaultTolerance:
         state and returns their reduced result (None without ``reduce``).
         """
         while True:
+            self._check_store()
             if self._ext.engine.broken is not None:
                 done, result = self._recover(self._ext.engine.broken)
                 if done:
@@ -161,6 +163,8 @@ class FaultTolerance:
         meanwhile: for collective work that changes no training state (``cr.save``,
         evaluation with ``strategy.reduce``)."""
         while True:
+            self._check_store()
+            self._calls("confirm that it still answers before the call", _round_trip(self.epoch))
             if self._ext.engine.broken is not None:
                 self._recover(self._ext.engine.broken, call=True)
             try:
@@ -168,6 +172,16 @@ class FaultTolerance:
                     return fn()
             except _RECOVERABLE as e:
                 self._recover(e, call=True)
+
+    def _check_store(self) -> None:
+        """Stops this worker once the job's store (the coordinator, or the host serving it) is
+        lost: no fault could be agreed on any more, and no checkpoint is written after it."""
+        lost = self._ext.engine.store_lost()
+        if lost is not None:
+            raise WorkerFailedError(
+                f"worker {self.identity} lost the job's store ({lost}); without it no loss can be agreed on, so "
+                f"the worker stops, before step {self.completed + 1} and without writing anything; start the job "
+                f"again from its last checkpoint")
 
     # ------------------------------------------------------------ recovery
 
@@ -179,12 +193,13 @@ class FaultTolerance:
         ``call``: the interrupted work was a ``call`` between steps, not a step."""
         ext = self._ext
         started = time.monotonic()
-        if ext.engine.watchdog.probe.unreachable:  # the failed step found the store gone: no agreement
-            raise WorkerFailedError(f"worker {self.identity} is cut off from the job's store (it stopped answering "
-                                    f"during the failed work); it stops rather than go on alone")
+        gone = ext.engine.store_lost()
+        if gone is not None:  # the failed step found the store gone: no agreement
+            raise WorkerFailedError(f"worker {self.identity} is cut off from the job's store ({gone} during the "
+                                    f"failed work); it stops rather than go on alone")
         joining = [self._founders + t for t in self._growth[1]] if self._growth is not None else []
         membership = agree(ext.job_store, self.epoch, self.identity, self.completed, (*self.members, *joining),
-                           ext.engine.watchdog.stopped_peers, ext.timeout)
+                           ext.engine.stopped_peers, ext.timeout)
         old = self.members
         if cause is None and self._growth is not None:  # a joiner that did not come is not asked again
             self._tickets_seen = max(self._tickets_seen, self._growth[1].stop)
@@ -217,7 +232,7 @@ class FaultTolerance:
         ext = self._ext
         while True:
             try:
-                store = dist.PrefixStore(f"{epoch_prefix(membership.epoch)}/group", ext.job_store)
+                store = dist.PrefixStore(f"{store_keys.epoch(membership.epoch)}/group", ext.job_store)
                 ext.regroup(store, membership.rank_of(self.identity), len(membership.members))
                 for wrapper in self._wrappers:
                     wrapper.forget_engine()
@@ -231,7 +246,7 @@ class FaultTolerance:
                 _log.warning("worker %d: regrouping into epoch %d failed (%s: %s); agreeing again", self.identity,
                              membership.epoch, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
                 membership = agree(ext.job_store, membership.epoch, self.identity, self.completed,
-                                   membership.members, ext.engine.watchdog.stopped_peers if formed else lambda: [],
+                                   membership.members, ext.engine.stopped_peers if formed else lambda: [],
                                    ext.timeout)
 
     def _admit_joiners(self) -> None:
@@ -296,6 +311,12 @@ class FaultTolerance:
         self.completed = completed
         self._last_result = result
         return True, result
+
+
+def _round_trip(epoch: int) -> Callable[[Any], Any]:
+    """A store call that only goes there and back (any key will do)."""
+    key = [store_keys.decided(epoch)]
+    return lambda store: store.check(key)
 
 
 def _warn_if_torchrun_stops_survivors() -> None:

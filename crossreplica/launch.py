@@ -41,6 +41,7 @@ import argparse
 import dataclasses
 import datetime
 import fcntl
+import math
 import os
 import pty
 import secrets
@@ -56,7 +57,13 @@ from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
-from .strategies.job_store import started_job
+from .arguments import check_address
+from .elastic.coordinator import Coordinator
+from .engines.deadline import Deadline
+from .elastic.protocol import AuthenticationError
+from .elastic.store import CoordinatorStore
+from .strategies.bootstrap import JobEnv
+from .strategies.job_store import started_job, take_host_place
 from .strategies.membership import latest
 
 __all__ = ["launch", "main"]
@@ -72,36 +79,70 @@ _DRAIN = 2.0
 
 
 def launch(command: Sequence[str], workers: int, grace_seconds: float = 10.0,
-           env: dict[str, str] | None = None, max_restarts: int = 0) -> int:
+           env: dict[str, str] | None = None, max_restarts: int = 0, coordinator: str | None = None,
+           nnodes: int = 1) -> int:
     """Runs ``command`` as ``workers`` workers of one job on this host; returns the exit code
     (0: the job finished, possibly without workers it lost; the module docstring says which).
     Up to ``max_restarts`` times, a worker that fails while the others run is started
-    again to join the running job (``CROSSREPLICA_JOIN=1``)."""
-    if workers < 1:
+    again to join the running job (``CROSSREPLICA_JOIN=1``).
+
+    Without ``coordinator`` the job is this host's alone, and this process serves its store
+    (authenticated, :mod:`.elastic.coordinator`). With ``coordinator`` (``HOST:PORT`` of a
+    ``crossreplica coordinator``), this host is one of ``nnodes`` hosts of the job, each
+    running this launcher with the same arguments and ``CROSSREPLICA_JOB_SECRET``; the
+    hosts take their places (ranks ``node * workers ...``) in the order they reach it.
+    """
+    if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive int; got {workers!r}")
+    if not isinstance(nnodes, int) or nnodes < 1:
+        raise ValueError(f"nnodes must be a positive int; got {nnodes!r}")
     if not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts must be an int >= 0; got {max_restarts!r}")
     if not command:
         raise ValueError("command must name the program to run, e.g. `-- python train.py`")
+    if nnodes > 1 and coordinator is None:
+        raise ValueError(f"nnodes={nnodes} hosts meet at a coordinator: start `crossreplica coordinator --port PORT` "
+                         f"on one machine and pass --coordinator HOST:PORT to every host's launcher")
     base = dict(os.environ if env is None else env)
     _check_program(command, base.get("PATH"))
-    store = dist.TCPStore("127.0.0.1", 0, workers, is_master=True, timeout=datetime.timedelta(seconds=60),
-                          wait_for_workers=False)
-    base.setdefault("CROSSREPLICA_JOB_SECRET", secrets.token_hex(16))
-    base.update({"WORLD_SIZE": str(workers), "LOCAL_WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    if coordinator is None:
+        base.setdefault("CROSSREPLICA_JOB_SECRET", secrets.token_hex(16))
+    elif not base.get("CROSSREPLICA_JOB_SECRET"):
+        raise ValueError("--coordinator serves only the workers that know the job secret: set "
+                         "CROSSREPLICA_JOB_SECRET to the coordinator's on every host")
+    secret = base["CROSSREPLICA_JOB_SECRET"]
+    server = Coordinator(secret, "127.0.0.1", 0) if coordinator is None else None
+    try:
+        host, port = ("127.0.0.1", server.port) if server is not None else check_address(coordinator or "",
+                                                                                          "--coordinator")
+        store = CoordinatorStore(host, port, secret, datetime.timedelta(seconds=60))
+        node = 0 if server is not None else take_host_place(store, secret, nnodes, f"{host}:{port}")
+        return _run_workers(command, workers, node, nnodes, grace_seconds, max_restarts, store, base,
+                            lambda rank: JobEnv("crossreplica launch", rank, nnodes * workers, rank % workers, workers,
+                                                host, port, agent_store=True, coordinator=(host, port)))
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _run_workers(command: Sequence[str], workers: int, node: int, nnodes: int, grace_seconds: float,
+                 max_restarts: int, store: CoordinatorStore, base: dict[str, str],
+                 job: Callable[[int], JobEnv]) -> int:
+    """Starts this host's workers (ranks ``node * workers`` on; ``job(rank)`` their place in
+    the job) with ``base`` as the rest of their environment, watches them to the end and
+    judges the job by the membership in ``store``; returns the exit code."""
     runs: list[_Run] = []  # every worker process started, the restarted ones too
 
-    def start(slot: int, join: bool) -> _Run:
+    def start(local: int, join: bool) -> _Run:
+        rank = node * workers + local
         joining = {"CROSSREPLICA_JOIN": "1"} if join else {}
         output = _Output()
         try:
             proc = subprocess.Popen(list(command), stderr=output.child_fd,
-                                    env={**base, "RANK": str(slot), "LOCAL_RANK": str(slot), "GROUP_RANK": "0",
-                                         "ROLE_RANK": str(slot), **joining})
+                                    env={**base, **job(rank).environ(), **joining})
         finally:
             output.started()
-        runs.append(_Run(slot, join, proc, output))
+        runs.append(_Run(rank, join, proc, output))
         return runs[-1]
 
     current = [start(r, False) for r in range(workers)]
@@ -124,10 +165,10 @@ def launch(command: Sequence[str], workers: int, grace_seconds: float = 10.0,
                 run.proc.kill()
             run.proc.wait()
             run.poll()
-        deadline = time.monotonic() + _DRAIN
+        drain = Deadline(_DRAIN)
         for run in runs:
-            run.output.close(max(0.0, deadline - time.monotonic()))
-    verdict = _judge(runs, workers, _members(store, base["CROSSREPLICA_JOB_SECRET"]))
+            run.output.close(drain.left)
+    verdict = _judge(runs, nnodes * workers, _members(store, base["CROSSREPLICA_JOB_SECRET"]))
     for line in _summary(verdict):
         print(line, file=sys.stderr)
     if not verdict.failed:
@@ -157,7 +198,7 @@ class _Run:
         return self.code
 
 
-def _members(store: dist.TCPStore, secret: str) -> tuple[int, ...] | None:
+def _members(store: dist.Store, secret: str) -> tuple[int, ...] | None:
     """The identities in the newest membership the job's workers agreed on
     (``cr.FaultTolerance``); None when they never agreed on one."""
     try:
@@ -327,9 +368,9 @@ class _Restarts:
         for r, code in enumerate(codes):
             if self.left and code not in (None, 0) and any(c is None for c in codes):
                 self.left -= 1
-                print(f"crossreplica launch: worker {r} exited with code {code}; starting it again to join the "
-                      f"running job ({self.left} restart{'s' if self.left != 1 else ''} left)", file=sys.stderr,
-                      flush=True)
+                left = f"{self.left} restart{'s' if self.left != 1 else ''} left"
+                print(f"crossreplica launch: worker {current[r].slot} exited with code {code}; starting it again to "
+                      f"join the running job ({left})", file=sys.stderr, flush=True)
                 current[r] = self.start(r, True)
 
 
@@ -338,18 +379,19 @@ def _watch(current: list[_Run], grace: float, restart: Callable[[list[_Run]], No
     ``grace`` seconds after the first worker finished with 0, or at once when every one still
     running is stopped and another has exited; until then, ``restart`` may start failed
     workers again (replacing them in ``current``)."""
-    finished_at: float | None = None
+    watch = Deadline(math.inf)  # the workers' own timeouts bound the job
+    finished: Deadline | None = None  # the grace the others have once one finished
     while True:
-        if finished_at is None:
+        if finished is None:
             restart(current)
         codes = [run.poll() for run in current]
         if all(c is not None for c in codes):
             return
-        if finished_at is None and 0 in codes:
-            finished_at = time.monotonic()
+        if finished is None and 0 in codes:
+            finished = Deadline(grace)
         running = [run for run in current if run.poll() is None]
         left_frozen = len(running) < len(current) and all(_stopped(run.proc) for run in running)
-        if left_frozen or (finished_at is not None and time.monotonic() - finished_at > grace):
+        if left_frozen or (finished is not None and finished.expired()):
             why = ("frozen (stopped) after the others had exited" if left_frozen else
                    f"still running {grace:g}s after another worker finished")
             for run in running:
@@ -363,7 +405,7 @@ def _watch(current: list[_Run], grace: float, restart: Callable[[list[_Run]], No
                 run.proc.wait()
                 run.poll()
             return
-        time.sleep(_POLL)
+        watch.sleep(_POLL)
 
 
 def _stopped(proc: subprocess.Popen) -> bool:
@@ -379,9 +421,9 @@ def _stopped(proc: subprocess.Popen) -> bool:
 
 
 def _wait_all(current: list[_Run], seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and any(run.poll() is None for run in current):
-        time.sleep(_POLL)
+    wait = Deadline(seconds)
+    while not wait.expired() and any(run.poll() is None for run in current):
+        wait.sleep(_POLL)
 
 
 def _at_least(low: float, kind: type) -> Callable[[str], float]:
@@ -401,18 +443,26 @@ def _at_least(low: float, kind: type) -> Callable[[str], float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=_at_least(1, int), required=True, help="worker processes to start (>= 1)")
+    parser.add_argument("--workers", "--nproc-per-node", dest="workers", type=_at_least(1, int), required=True,
+                        help="worker processes to start on this host (>= 1)")
+    parser.add_argument("--coordinator", metavar="HOST:PORT", default=None,
+                        help="the job's coordinator (`crossreplica coordinator`), for a job across hosts: run this "
+                             "launcher on each host with the same arguments (default: a one-host job whose store "
+                             "this launcher serves)")
+    parser.add_argument("--nnodes", type=_at_least(1, int), default=1,
+                        help="the job's hosts, each running this launcher (default 1; more need --coordinator)")
     parser.add_argument("--grace-seconds", type=_at_least(0, float), default=10.0,
                         help="once a worker has finished, how long the others may still run before they are "
                              "stopped (default 10)")
     parser.add_argument("--max-restarts", type=_at_least(0, int), default=0,
                         help="how many times in all a worker that fails while others still run is started again "
                              "to join the running job at a step boundary (cr.FaultTolerance; default 0)")
-    parser.usage = "crossreplica launch --workers N [--grace-seconds S] [--max-restarts K] -- COMMAND [ARG ...]"
+    parser.usage = ("crossreplica launch --workers N [--coordinator HOST:PORT --nnodes H] [--grace-seconds S] "
+                    "[--max-restarts K] -- COMMAND [ARG ...]")
     parser.epilog = ("Exit status: 0 when the job finished (every worker exited with 0, or the job went on without "
                      "those that did not: cr.FaultTolerance left them out); otherwise the first failed worker's "
                      "code (a signal: 128 + its number), with that worker and its last lines on stderr named "
-                     "(docs/reliability.md).")
+                     "(docs/reliability.md). Across hosts each host's launcher judges its own workers.")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -422,7 +472,13 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("give the worker's command after `--`, e.g. `crossreplica launch --workers 4 -- "
                              "crossreplica train --strategy multi_worker --fault-tolerant`")
         _check_program(args.worker_command)
-    except ValueError as e:
+        if args.coordinator is not None:
+            check_address(args.coordinator, "--coordinator")
+        return launch(args.worker_command, args.workers, args.grace_seconds, max_restarts=args.max_restarts,
+                      coordinator=args.coordinator, nnodes=args.nnodes)
+    except (ValueError, AuthenticationError) as e:
         print(f"crossreplica launch: error: {e}", file=sys.stderr)
         return 2
-    return launch(args.worker_command, args.workers, args.grace_seconds, max_restarts=args.max_restarts)
+    except dist.DistStoreError as e:
+        print(f"crossreplica launch: error: {e}", file=sys.stderr)
+        return 1

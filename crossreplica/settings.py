@@ -20,11 +20,11 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from .arguments import check_int
+from .arguments import check_address, check_int
 from .errors import ConfigurationWarning
 from .timeouts import MAX_TIMEOUT, canonical_timeout
 
-__all__ = ["PREFIX", "SETTINGS", "Setting", "check_collectives", "describe", "get", "job_secret",
+__all__ = ["PREFIX", "SETTINGS", "Setting", "check_collectives", "coordinator", "describe", "get", "job_secret",
            "heartbeat_seconds", "parallel_bytes", "shared_memory", "shared_rows_members", "slow_seconds", "timeout"]
 
 PREFIX = "CROSSREPLICA_"
@@ -38,7 +38,8 @@ class Setting:
 
     ``kind`` is "seconds" (a timeout's rule: ``(0, one week]``), "int" (at least
     ``low``), "flag" (1/true/yes/on or 0/false/no/off, any case), "secret" (a
-    string) or "script" (read by scripts/setup.sh, not by the library).
+    string), "address" (``HOST:PORT``) or "script" (read by scripts/setup.sh, not by
+    the library).
     ``public`` is False for tuning knobs the test suite sets.
     """
 
@@ -60,6 +61,8 @@ class Setting:
             return f"one of {list(_TRUE + _FALSE)} (any case)"
         if self.kind == "secret":
             return "a string of printable characters, without spaces at its ends, other than 'none'"
+        if self.kind == "address":
+            return "HOST:PORT with a port in 1..65535, e.g. 'node0:29400'"
         return "read by scripts/setup.sh"
 
     def parse(self, raw: str) -> Any:
@@ -88,6 +91,8 @@ class Setting:
             return raw
         if self.kind == "script":
             return raw
+        if self.kind == "address":
+            return check_address(raw, label)
         secret = self.kind == "secret" and text.lower() != "none"
         shown = f"a value of {len(raw)} characters (not shown: a secret)" if secret else repr(raw)
         raise ValueError(f"{label} must be {self.rule}; got {shown}")
@@ -102,6 +107,7 @@ PARALLEL_BYTES = "CROSSREPLICA_PARALLEL_BYTES"
 SHARED_ROWS_MEMBERS = "CROSSREPLICA_SHARED_ROWS_MEMBERS"
 HEARTBEAT_SECONDS = "CROSSREPLICA_HEARTBEAT_SECONDS"
 JOIN = "CROSSREPLICA_JOIN"
+COORDINATOR = "CROSSREPLICA_COORDINATOR"
 
 #: Every CROSSREPLICA_* variable, in the order docs/settings.md lists them.
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
@@ -121,6 +127,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting(JOB_SECRET, "secret", None,
             "a value shared by every worker of a job, from which the store's keys are derived; "
             "unset: torchrun's run id"),
+    Setting(COORDINATOR, "address", None,
+            "the job's coordinator (`crossreplica coordinator`), which serves the job's store to the workers "
+            "that know CROSSREPLICA_JOB_SECRET; `crossreplica launch` sets it; unset: the store of MASTER_ADDR:"
+            "MASTER_PORT (rank 0's or torchrun's agent's, without authentication)"),
     Setting(JOIN, "flag", False,
             "this worker joins a running fault-tolerant job (cr.FaultTolerance) at a step boundary "
             "instead of starting one; `crossreplica launch --max-restarts` sets it on a restarted worker"),
@@ -205,6 +215,12 @@ def shared_memory() -> bool:
 def join() -> bool:
     """Whether this worker joins a running fault-tolerant job (``CROSSREPLICA_JOIN``)."""
     return bool(get(JOIN))
+
+
+def coordinator() -> tuple[str, int] | None:
+    """The job's coordinator (``CROSSREPLICA_COORDINATOR``) as host and port; None when unset."""
+    value = get(COORDINATOR)
+    return None if value is None else (str(value[0]), int(value[1]))
 
 
 def job_secret() -> str | None:

@@ -252,3 +252,19 @@ class WorkerEngine(Engine):
     @abc.abstractmethod
     def timeout_override(self, seconds: float | None) -> contextlib.AbstractContextManager[None]:
         """Bounds the cross-process waits inside by ``seconds`` instead of the timeout."""
+
+    # What recovery (cr.FaultTolerance) reads, and nothing else of the engine's insides.
+
+    @property
+    def broken(self) -> BaseException | None:
+        """The failure that put the workers out of step (a lost peer, an abort), or None."""
+        return None
+
+    def stopped_peers(self) -> list[int]:
+        """The peers whose heartbeat has stopped, as far as this worker has watched them."""
+        return []
+
+    def store_lost(self) -> str | None:
+        """Why the job's store no longer answers this worker (its host died, froze or was
+        cut off), or None while it does."""
+        return None

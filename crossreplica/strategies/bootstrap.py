@@ -6,7 +6,9 @@ started the worker: torchrun, ``crossreplica launch`` or a hand launch (RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or SLURM's
 ``srun`` (SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID, the step's node list
 and job id), torchrun's variables first when both are present. Rank 0 serves the
-store on MASTER_ADDR only (unless a launcher's agent serves it); every worker meets
+store on MASTER_ADDR only, unless a launcher's agent serves it or the job has a
+coordinator (``CROSSREPLICA_COORDINATOR``: ``crossreplica coordinator``, reached with
+the job secret, :mod:`crossreplica.elastic.store`); every worker meets
 the others under the job's prefix (:mod:`.job_store`) before the process group
 forms, bounded by the timeout (:mod:`.network`). Without a launcher's environment
 the worker runs alone, so the same script runs as ``python script.py``. A worker
@@ -32,11 +34,12 @@ import torch.distributed as dist
 
 from .. import settings
 from ..errors import ConfigurationWarning, summarize
+from ..elastic.store import CoordinatorStore
 from .job_store import form_job, join_job
 from .network import bounded, choose_gloo_interface
 
-__all__ = ["JobEnv", "env_int", "init_process_group", "local_placement", "nodelist_hosts", "slurm_port",
-           "tasks_per_node", "torchrun_agent"]
+__all__ = ["JobEnv", "env_int", "form_process_group", "init_process_group", "local_placement", "nodelist_hosts",
+           "slurm_port", "tasks_per_node", "torchrun_agent"]
 
 _log = logging.getLogger(__name__)
 
@@ -67,6 +70,8 @@ class JobEnv:
             count (1 when the launcher does not say).
         master_addr, master_port: where the job's store is served.
         agent_store: whether a launcher's agent serves the store (rank 0 does not).
+        coordinator: the job's coordinator (``CROSSREPLICA_COORDINATOR``), which serves
+            the store to the workers that know the job secret; None: MASTER_ADDR's store.
         restart_count: torchrun's TORCHELASTIC_RESTART_COUNT ("0": the first start).
         derived: how master_addr / master_port were found when the environment did not
             give them (SLURM; "" when it did), for the log.
@@ -82,6 +87,7 @@ class JobEnv:
     agent_store: bool = False
     restart_count: str = "0"
     derived: str = ""
+    coordinator: tuple[str, int] | None = None
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> JobEnv | None:
@@ -94,13 +100,39 @@ class JobEnv:
         """
         env = os.environ if environ is None else environ
         if env_int("WORLD_SIZE", environ=env) is not None or env_int("RANK", environ=env) is not None:
-            return cls._torchrun(env)
-        if _slurm_step(env):
-            return cls._slurm(env)
-        return None
+            job = cls._torchrun(env)
+        elif _slurm_step(env):
+            job = cls._slurm(env)
+        else:
+            return None
+        text = env.get(settings.COORDINATOR, "").strip()
+        if not text:
+            return job
+        # The coordinator serves the store: that is where MASTER_ADDR:MASTER_PORT point for this job.
+        address = settings.coordinator() if environ is None else settings.SETTINGS[settings.COORDINATOR].parse(text)
+        assert address is not None
+        host, port = address
+        return dataclasses.replace(job, coordinator=(host, port), master_addr=host, master_port=port,
+                                   agent_store=True, derived="")
+
+    def environ(self) -> dict[str, str]:
+        """The environment a launcher gives this worker (torchrun's variables, and the
+        coordinator's address): what :meth:`read` reads back as this JobEnv."""
+        env = {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
+               "LOCAL_WORLD_SIZE": str(self.local_world_size), "ROLE_RANK": str(self.rank),
+               "GROUP_RANK": str(self.rank // self.local_world_size), "MASTER_ADDR": self.master_addr,
+               "MASTER_PORT": str(self.master_port)}
+        if self.agent_store:
+            env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+        if self.coordinator is not None:
+            host, port = self.coordinator
+            env[settings.COORDINATOR] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return env
 
     @classmethod
     def _torchrun(cls, env: Mapping[str, str]) -> JobEnv:
+        if env.get(settings.COORDINATOR, "").strip():  # the coordinator serves the store (read)
+            env = {"MASTER_ADDR": "-", "MASTER_PORT": "1", **{k: v for k, v in env.items() if v}}
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
         if missing:
             raise ValueError(
@@ -123,6 +155,8 @@ class JobEnv:
         local_rank, local_world = _local(env, "SLURM_LOCALID", _slurm_local_world(env))
         derived = []
         address = env.get("MASTER_ADDR")
+        if env.get(settings.COORDINATOR, "").strip():  # the coordinator serves the store (read)
+            return cls._checked("srun", rank, world, local_rank, local_world, "-", 1)
         if not address:
             source = next((k for k in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
                            if env.get(k)), None)
@@ -314,18 +348,7 @@ def init_process_group(backend: str, timeout: float) -> tuple[bool, Any, bool]:
         _log.info("started by srun: rank %d of %d (SLURM_PROCID, SLURM_STEP_NUM_TASKS), store at %s:%d (%s)",
                   rank, world, address, port, job.derived)
     is_master = rank == 0 and not job.agent_store and not settings.join()
-    # The store serves where the user asked (MASTER_ADDR), not on every interface.
-    listener = _listen(address, port) if is_master else None
-    try:
-        tcp_store = dist.TCPStore(address, port, world_size=world, is_master=is_master, timeout=td,
-                                  wait_for_workers=False,
-                                  master_listen_fd=None if listener is None else listener.fileno())
-    except BaseException:
-        if listener is not None:
-            listener.close()
-        raise
-    if listener is not None:
-        listener.detach()  # the store's server now owns the socket; closing ours would close it
+    tcp_store = _coordinator_store(job, td) if job.coordinator is not None else _tcp_store(job, is_master, td)
     if settings.join():
         # Alone until cr.FaultTolerance admits it into the job at a step boundary
         # (regroup): set-up collectives (mirror, ...) meet nobody meanwhile.
@@ -340,6 +363,7 @@ def init_process_group(backend: str, timeout: float) -> tuple[bool, Any, bool]:
                      "the previous attempt failed; resume from the last checkpoint", rank, job.restart_count)
     _log.info("initialising the process group: rank %d of %d, backend %s, store at MASTER_ADDR=%s "
               "MASTER_PORT=%d (%s), timeout %gs", rank, world, backend, address, port,
+              "the coordinator's store, authenticated" if job.coordinator is not None else
               "the elastic agent's store" if job.agent_store else
               "served by this worker" if is_master else "served by rank 0", timeout)
     # torchrun's agent keeps one store across restarts: keys of an earlier start (gloo's
@@ -353,12 +377,52 @@ def init_process_group(backend: str, timeout: float) -> tuple[bool, Any, bool]:
                       "127.0.1.1), which workers on other hosts cannot reach; gloo uses %s, the interface "
                       "that routes to MASTER_ADDR=%s (set GLOO_SOCKET_IFNAME to choose another)",
                       socket.gethostname(), iface, address)
-    with bounded(f"forming the process group (worker rank {rank} of {world}, backend {backend})", timeout,
-                 "Check that every host reaches the others at the address gloo advertises (this host's "
-                 "name must not resolve to 127.0.1.1 when peers are remote), or set GLOO_SOCKET_IFNAME "
-                 "(NCCL_SOCKET_IFNAME) to the interface that reaches MASTER_ADDR"):
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=td)
+    form_process_group(backend, store, rank, world, timeout)
     return True, store, False
+
+
+def form_process_group(backend: str, store: Any, rank: int, world: int, timeout: float,
+                       regroup: bool = False) -> None:
+    """The default process group of ``world`` workers meeting in ``store``: formed as a job
+    starts, and formed again by the members of a fault-tolerant job after a loss
+    (``regroup``); bounded by ``timeout``, and a failure says what to check."""
+    what = "re-forming" if regroup else "forming"
+    hint = ("Check that the surviving workers still reach each other" if regroup else
+            "Check that every host reaches the others at the address gloo advertises (this host's name must not "
+            "resolve to 127.0.1.1 when peers are remote), or set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME) to the "
+            "interface that reaches MASTER_ADDR")
+    with bounded(f"{what} the process group (worker rank {rank} of {world}, backend {backend})", timeout, hint):
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout))
+
+
+def _tcp_store(job: JobEnv, is_master: bool, td: datetime.timedelta) -> dist.TCPStore:
+    """The store at MASTER_ADDR:MASTER_PORT, served by this worker when ``is_master``."""
+    # The store serves where the user asked (MASTER_ADDR), not on every interface.
+    listener = _listen(job.master_addr, job.master_port) if is_master else None
+    try:
+        store = dist.TCPStore(job.master_addr, job.master_port, world_size=job.world_size, is_master=is_master,
+                              timeout=td, wait_for_workers=False,
+                              master_listen_fd=None if listener is None else listener.fileno())
+    except BaseException:
+        if listener is not None:
+            listener.close()
+        raise
+    if listener is not None:
+        listener.detach()  # the store's server now owns the socket; closing ours would close it
+    return store
+
+
+def _coordinator_store(job: JobEnv, td: datetime.timedelta) -> CoordinatorStore:
+    """The store the job's coordinator serves, reached with the job secret."""
+    assert job.coordinator is not None
+    secret = settings.job_secret()
+    if secret is None:
+        raise ValueError(f"{settings.COORDINATOR} names the job's coordinator, which serves only the workers "
+                         f"that know the job secret; set CROSSREPLICA_JOB_SECRET to the coordinator's (the same "
+                         f"on every host)")
+    host, port = job.coordinator
+    return CoordinatorStore(host, port, secret, td)
 
 
 def _listen(address: str, port: int) -> socket.socket:

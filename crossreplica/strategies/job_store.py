@@ -22,17 +22,18 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from .. import settings
+from .. import settings, store_keys
+from ..engines.deadline import Deadline
 from ..logs import ConfigurationWarning
 
-__all__ = ["await_workers", "form_job", "job_namespace", "join_job", "poll", "round_token", "started_job"]
+__all__ = ["await_workers", "form_job", "job_namespace", "join_job", "poll", "round_token", "started_job",
+           "take_host_place"]
 
 T = TypeVar("T")
 
@@ -66,39 +67,46 @@ def _namespace_of(secret: str) -> str:
     return hashlib.sha256(f"crossreplica-job:{secret}".encode()).hexdigest()[:32]
 
 
-def _start_key(namespace: str) -> str:
-    """Where rank 0 publishes the token of the job's newest start."""
-    return f"crossreplica/{namespace}/start"
-
-
-def _job_prefix(namespace: str, token: str) -> str:
-    return f"crossreplica/{namespace}/{token}"
-
-
 def started_job(raw: Any, secret: str) -> Any | None:
     """The store of the newest start of the job whose secret is ``secret`` (what its workers
     share), read by whoever serves ``raw`` (``crossreplica launch``); None when no such job
     has started there."""
-    key = _start_key(_namespace_of(secret))
+    key = store_keys.start(_namespace_of(secret))
     if not raw.check([key]):
         return None
-    return dist.PrefixStore(_job_prefix(_namespace_of(secret), raw.get(key).decode()), raw)
+    return dist.PrefixStore(store_keys.job(_namespace_of(secret), raw.get(key).decode()), raw)
+
+
+def take_host_place(raw: Any, secret: str, hosts: int, where: str) -> int:
+    """This host's place (0 .. ``hosts``-1) among the hosts of the job whose secret is
+    ``secret``, in the order their launchers reach its coordinator at ``where``.
+
+    Raises:
+        ValueError: more launchers than ``hosts`` came (a second run of the job at the same
+            coordinator, or --nnodes too small).
+    """
+    place = int(raw.add(store_keys.launch_hosts(_namespace_of(secret)), 1)) - 1
+    if place >= hosts:
+        raise ValueError(f"this is launcher {place + 1} to reach the coordinator at {where}, but the job has "
+                         f"--nnodes {hosts} hosts; start one launcher per host, and a fresh `crossreplica "
+                         f"coordinator` for each run of the job")
+    return place
 
 
 def form_job(raw: Any, rank: int, world: int, timeout: float) -> Any:
     """The store every worker of this start of the job shares: a PrefixStore over ``raw``
     under the job's namespace and this start's token (:func:`round_token`), once all
     ``world`` workers have arrived there (:func:`await_workers`)."""
-    deadline = time.monotonic() + timeout
+    deadline = Deadline(timeout)
     answer = None
     namespace = job_namespace()
     if rank == 0:
         token = secrets.token_hex(8)
         answer = _Answers(raw, world, token)
-        raw.set(_start_key(namespace), token)  # for workers that join later (join_job), and the launcher
+        raw.set(store_keys.start(namespace), token)  # for workers that join later (join_job), and the launcher
     else:
         token = round_token(raw, rank, deadline, timeout)
-    job = dist.PrefixStore(_job_prefix(namespace, token), raw)
+    job = dist.PrefixStore(store_keys.job(namespace, token), raw)
     await_workers(raw, job, token, world, deadline, timeout, answer)
     return job
 
@@ -107,17 +115,17 @@ def join_job(raw: Any, timeout: float) -> Any:
     """The store of the running start of this job, for a worker that joins it later
     (``CROSSREPLICA_JOIN``): the prefix its rank 0 published under the job's namespace."""
     namespace = job_namespace()
-    key = _start_key(namespace)
-    token = poll(lambda: raw.get(key).decode() if raw.check([key]) else None, time.monotonic() + timeout,
+    key = store_keys.start(namespace)
+    token = poll(lambda: raw.get(key).decode() if raw.check([key]) else None, Deadline(timeout),
                   lambda: RuntimeError(
                       f"this worker was asked to join a running job (CROSSREPLICA_JOIN) but no job with its "
                       f"secret has started in the store at {_store_address()} within {timeout:g}s; check "
                       f"MASTER_ADDR, MASTER_PORT and CROSSREPLICA_JOB_SECRET, or unset CROSSREPLICA_JOIN to "
                       f"start a job"))
-    return dist.PrefixStore(_job_prefix(namespace, token), raw)
+    return dist.PrefixStore(store_keys.job(namespace, token), raw)
 
 
-def round_token(raw: Any, rank: int, deadline: float, timeout: float) -> str:
+def round_token(raw: Any, rank: int, deadline: Deadline, timeout: float) -> str:
     """The token rank 0 of this start of the job drew, asked for with a fresh greeting.
 
     torchrun's agent keeps one store for the whole job, and after a restart the
@@ -129,8 +137,8 @@ def round_token(raw: Any, rank: int, deadline: float, timeout: float) -> str:
     new one begins).
     """
     greeting = secrets.token_hex(8)
-    raw.set(f"crossreplica/greeting/{rank}", greeting)
-    key = f"crossreplica/answer/{rank}"
+    raw.set(store_keys.greeting(rank), greeting)
+    key = store_keys.answer(rank)
 
     def answered() -> str | None:
         if raw.check([key]):
@@ -148,18 +156,16 @@ def _store_address() -> str:
     return f"MASTER_ADDR={os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
 
 
-def poll(ready: Callable[[], T | None], deadline: float, late: Callable[[], Exception]) -> T:
-    """``ready()``'s first answer other than None, polled with a growing pause; ``late()``
-    is raised once ``deadline`` has passed."""
-    pause = 0.001
+def poll(ready: Callable[[], T | None], deadline: Deadline, late: Callable[[], Exception]) -> T:
+    """``ready()``'s first answer other than None, polled with a growing pause (1 ms, doubling
+    up to 50 ms); ``late()`` is raised once ``deadline`` has passed."""
     while True:
         answer = ready()
         if answer is not None:
             return answer
-        if time.monotonic() >= deadline:
+        if deadline.expired():
             raise late()
-        time.sleep(pause)
-        pause = min(2 * pause, 0.05)
+        deadline.back_off(0.001, 0.05)
 
 
 class _Answers:
@@ -168,7 +174,7 @@ class _Answers:
 
     def __init__(self, raw: Any, world: int, token: str):
         self.raw, self.token = raw, token
-        self.keys = {rank: f"crossreplica/greeting/{rank}" for rank in range(1, world)}
+        self.keys = {rank: store_keys.greeting(rank) for rank in range(1, world)}
         self.answered: dict[int, str] = {}
 
     def __call__(self) -> None:
@@ -182,11 +188,11 @@ class _Answers:
         for rank, value in zip(present, values):
             greeting = value.decode()
             if self.answered.get(rank) != greeting:
-                raw.set(f"crossreplica/answer/{rank}", f"{self.token}:{greeting}")
+                raw.set(store_keys.answer(rank), f"{self.token}:{greeting}")
                 self.answered[rank] = greeting
 
 
-def await_workers(raw: Any, job: Any, token: str, world: int, deadline: float, timeout: float,
+def await_workers(raw: Any, job: Any, token: str, world: int, deadline: Deadline, timeout: float,
                   answer: Callable[[], None] | None = None) -> None:
     """Waits until all ``world`` workers of this start have reached the store under this
     job's prefix (``job``, a PrefixStore over ``raw``); rank 0 calls ``answer`` meanwhile.
@@ -195,7 +201,7 @@ def await_workers(raw: Any, job: Any, token: str, world: int, deadline: float, t
         RuntimeError: every worker arrived but some under another job secret (at once), or
             not all of them by ``deadline`` (naming how many did).
     """
-    everyone = f"crossreplica/arrivals/{token}"  # a count only: no secret in it
+    everyone = store_keys.arrivals(token)  # a count only: no secret in it
     # In this order, and read back in the reverse: every worker counted in ``everyone`` has
     # counted itself under its own prefix already, so ``mine`` read after ``total`` includes
     # every worker of this job that ``total`` does.

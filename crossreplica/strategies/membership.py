@@ -22,17 +22,18 @@ a second job.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..engines.deadline import Deadline
 from ..engines.torch_dist.store_probe import StoreProbe
 from ..engines.torch_dist import WorkerFailedError
+from .. import store_keys
 from ..errors import FencedOutError
 from .job_store import poll
 
 __all__ = ["FencedOutError", "Membership", "StoreCalls", "agree", "announce_growth", "await_invitation",
-           "epoch_prefix", "found", "give_up", "growth", "joiners_waiting", "latest", "request_join"]
+           "found", "give_up", "growth", "joiners_waiting", "latest", "request_join"]
 
 _UNANSWERED = object()
 
@@ -84,11 +85,6 @@ class StoreCalls:
         return answer
 
 
-def epoch_prefix(epoch: int) -> str:
-    """The store prefix of membership epoch ``epoch``'s keys (its process group's among them)."""
-    return f"crossreplica/ft/{epoch}"
-
-
 def agree(store: Any, epoch: int, identity: int, completed: int, members: Sequence[int],
           stopped: Callable[[], Sequence[int]], timeout: float, pace: float = 0.01,
           propose: bool = True) -> Membership:
@@ -110,12 +106,11 @@ def agree(store: Any, epoch: int, identity: int, completed: int, members: Sequen
             or this worker cannot reach the store.
     """
     call = StoreCalls(store, identity)
-    base = epoch_prefix(epoch)
-    decided, fatal = f"{base}/decided", f"{base}/fatal"
-    alive = {m: f"{base}/alive/{m}" for m in members}
+    decided, fatal = store_keys.decided(epoch), store_keys.fatal(epoch)
+    alive = {m: store_keys.alive(epoch, m) for m in members}
 
     call("post that it is alive", lambda s: s.set(alive[identity], str(completed)))
-    deadline = time.monotonic() + timeout
+    deadline = Deadline(timeout)
     while True:
         if call("read the decision", lambda s: s.check([decided])):
             text = call("read the decision", lambda s: s.get(decided)).decode()
@@ -131,13 +126,13 @@ def agree(store: Any, epoch: int, identity: int, completed: int, members: Sequen
         posted: list[int] = call("read who is alive", lambda s: [m for m, key in alive.items() if s.check([key])])
         gone = {members[r] for r in stopped() if r < len(members)} - set(posted)
         waiting = set(members) - set(posted) - gone
-        if not propose and time.monotonic() >= deadline:
+        if not propose and deadline.expired():
             raise WorkerFailedError(f"worker {identity} asked to join epoch {epoch + 1}, but its members did not "
                                     f"decide within {timeout:g}s")
-        if propose and (not waiting or time.monotonic() >= deadline):
+        if propose and (not waiting or deadline.expired()):
             _propose(call, decided, alive, posted, epoch + 1)
             continue
-        time.sleep(pace)
+        deadline.sleep(pace)
 
 
 def latest(store: Any) -> Membership | None:
@@ -145,8 +140,8 @@ def latest(store: Any) -> Membership | None:
     are the workers that started it); read, once the workers are gone, by whoever serves the
     store (``crossreplica launch``)."""
     decision, epoch = None, 0
-    while store.check([f"{epoch_prefix(epoch)}/decided"]):
-        decision = Membership.decode(epoch + 1, store.get(f"{epoch_prefix(epoch)}/decided").decode())
+    while store.check([store_keys.decided(epoch)]):
+        decision = Membership.decode(epoch + 1, store.get(store_keys.decided(epoch)).decode())
         epoch += 1
     return decision
 
@@ -164,13 +159,13 @@ def give_up(store: Any, epoch: int, message: str) -> None:
     """Tells the other survivors of epoch ``epoch`` that this worker failed in a way no
     regrouping mends (its replica function raised): they stop too, with ``message``."""
     probe = StoreProbe(store)
-    probe(None, lambda s: s.set(f"{epoch_prefix(epoch)}/fatal", message))
+    probe(None, lambda s: s.set(store_keys.fatal(epoch), message))
 
 
 # ---------------------------------------------------------------------- joining
 
-_JOINS = "crossreplica/ft/joins"  # a count: each joining worker's ticket is its place in it
-_FOUNDERS = "crossreplica/ft/founders"  # how many workers started the job (identities 0..n-1)
+_JOINS = store_keys.joins()  # a count: each joining worker's ticket is its place in it
+_FOUNDERS = store_keys.founders()  # how many workers started the job (identities 0..n-1)
 
 
 def found(store: Any, workers: int) -> None:
@@ -190,7 +185,7 @@ def request_join(store: Any, timeout: float) -> tuple[int, int]:
             return None
         return int(call("read the job's size", lambda s: s.get(_FOUNDERS)))
 
-    return ticket, ticket + poll(founders, time.monotonic() + timeout, lambda: RuntimeError(
+    return ticket, ticket + poll(founders, Deadline(timeout), lambda: RuntimeError(
         f"no fault-tolerant job (cr.FaultTolerance) runs in this store: none started within {timeout:g}s; start "
         f"the job's workers, or unset CROSSREPLICA_JOIN"))
 
@@ -205,16 +200,16 @@ def announce_growth(call: StoreCalls, epoch: int, members: Sequence[int], at_ste
     starts: every member reads the decision at a step's start (:func:`growth`), and each
     joining worker learns the epoch and its members."""
     text = f"{at_step}:{tickets.start}:{tickets.stop}"
-    call("admit joining workers", lambda s: s.compare_set(f"{epoch_prefix(epoch)}/grow", "", text))
+    call("admit joining workers", lambda s: s.compare_set(store_keys.grow(epoch), "", text))
     invitation = f"{epoch}:" + ",".join(map(str, members))
-    keys = [f"crossreplica/ft/join/{t}" for t in tickets]
+    keys = [store_keys.invitation(t) for t in tickets]
     call("admit joining workers", lambda s: [s.set(key, invitation) for key in keys])
 
 
 def growth(call: StoreCalls, epoch: int) -> tuple[int, range] | None:
     """Epoch ``epoch``'s decision to admit joining workers: the step as which they join
     and their tickets; None when there is none."""
-    key = f"{epoch_prefix(epoch)}/grow"
+    key = store_keys.grow(epoch)
     text = call("read who joins", lambda s: s.get(key) if s.check([key]) else None)  # one hop: every step
     if text is None:
         return None
@@ -227,7 +222,7 @@ def await_invitation(store: Any, identity: int, ticket: int, after_epoch: int,
     """The epoch (later than ``after_epoch``) at whose agreement this joining worker is
     expected, and that epoch's members."""
     call = StoreCalls(store, identity)
-    key = f"crossreplica/ft/join/{ticket}"
+    key = store_keys.invitation(ticket)
 
     def invitation() -> tuple[int, tuple[int, ...]] | None:
         if call("read its invitation", lambda s: s.check([key])):
@@ -236,6 +231,6 @@ def await_invitation(store: Any, identity: int, ticket: int, after_epoch: int,
                 return int(epoch), tuple(int(m) for m in members.split(","))
         return None
 
-    return poll(invitation, time.monotonic() + timeout, lambda: RuntimeError(
+    return poll(invitation, Deadline(timeout), lambda: RuntimeError(
         f"worker {identity} asked to join the running job, but no member admitted it within {timeout:g}s (members "
         f"admit joining workers as a step of cr.FaultTolerance.run starts); is the job still training?"))

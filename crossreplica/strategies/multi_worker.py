@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import datetime
 import logging
 import warnings
 import weakref
@@ -43,9 +42,8 @@ from ..logs import ConfigurationWarning
 from ..reduce_op import ReduceOp, compress, compresses, compression_scale, decompress, from_wire, mean_scale, to_wire
 from ..timeouts import canonical_timeout
 from .base import Strategy, StrategyExtended
-from .bootstrap import init_process_group, local_placement
+from .bootstrap import form_process_group, init_process_group, local_placement
 from .logical_devices import LogicalDevices
-from .network import bounded
 
 __all__ = ["MultiWorkerMirroredStrategy", "MultiWorkerExtended", "running"]
 
@@ -234,11 +232,7 @@ class MultiWorkerExtended(StrategyExtended):
             tp.retire_default_group()
             if old is not None:
                 _keep_for_good(old)
-        timeout = float(self.engine_options["timeout"])
-        with bounded(f"re-forming the process group (worker rank {rank} of {world_size}, backend {backend})",
-                     timeout, "Check that the surviving workers still reach each other"):
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=timeout))
+        form_process_group(backend, store, rank, world_size, float(self.engine_options["timeout"]), regroup=True)
         self._container._owns_process_group = True  # type: ignore[attr-defined]
         self.engine = _build_engine(self.engine_options)
         self.reset_pending()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,8 +79,6 @@ def test_the_demo_across_two_hosts_trains_the_bits_of_one_device(per_host, repli
         a, b = torch.load(one, weights_only=True), torch.load(hosts_pt, weights_only=True)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     finally:
-        import shutil
-
         shutil.rmtree(out_dir, ignore_errors=True)
 
 
@@ -230,8 +229,6 @@ def test_a_worker_killed_on_one_host_is_restarted_and_the_job_resumes_from_its_c
         for k in want:
             torch.testing.assert_close(final[k], want[k], msg=k)
     finally:
-        import shutil
-
         shutil.rmtree(out_dir, ignore_errors=True)
 
 
@@ -486,6 +483,92 @@ def test_a_fault_tolerant_job_goes_on_without_a_host_cut_off_which_stops_itself(
             got = torch.load(f"{out}.{identity}", weights_only=True)
             assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
     finally:
-        import shutil
+        shutil.rmtree(out_dir, ignore_errors=True)
 
+
+_ATTACK = r"""
+import datetime, sys
+import torch.distributed as dist
+from crossreplica.elastic.store import CoordinatorStore
+host, port = sys.argv[1], int(sys.argv[2])
+try:  # torch's own client: list every key, write the abort key
+    plain = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=1))
+    print("plain client connected:", plain.list_keys() if hasattr(plain, "list_keys") else plain.num_keys())
+    plain.set("crossreplica/abort", "attacker says stop")
+except Exception as e:
+    print("plain client refused:", type(e).__name__, flush=True)
+try:  # our own client with a wrong secret
+    ours = CoordinatorStore(host, port, "f" * 32, datetime.timedelta(seconds=5))
+    print("wrong secret connected:", ours.num_keys())
+except Exception as e:
+    print("wrong secret refused:", type(e).__name__, flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["kill", "cut"])
+def test_a_job_at_a_coordinator_survives_losing_the_chiefs_host_and_shuts_out_a_third_host(how):
+    """``crossreplica coordinator`` on host 0 and ``crossreplica launch --coordinator`` on hosts 1
+    and 2 (2 workers each); host 1, the chief's, is lost (every process killed, or its link cut)
+    mid-training. Host 2's workers regroup and finish with the parameters of the uninterrupted
+    run. Meanwhile host 3, without the job secret, tries what an attacker would, with torch's
+    own store client and with ours: both are refused, and the job is untouched."""
+    timeout, steps = 8.0, 160
+    out_dir = tempfile.mkdtemp(prefix="crossreplica-hosts-test-", dir="/var/tmp")
+    try:
+        out = os.path.join(out_dir, "params")
+        reference = os.path.join(out_dir, "reference")
+        subprocess.run([sys.executable, "-c", _FT_LOOP, reference, str(steps), str(timeout), "2", "none"], cwd=REPO,
+                       env=_env(), check=True, capture_output=True, timeout=120)  # one worker, no launcher
+        with SimulatedHosts(4) as hosts:
+            port, job = _port(), _env()
+            coordinator = hosts.start(0, [sys.executable, "-m", "crossreplica", "coordinator", "--port", str(port)],
+                                      env=job, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            assert coordinator.stdout is not None
+            assert "serving the job's store" in coordinator.stdout.readline()
+            launchers = []
+            for host in (1, 2):
+                launchers.append(hosts.start(
+                    host, [sys.executable, "-m", "crossreplica", "launch", "--coordinator",
+                           f"{hosts.addresses[0]}:{port}", "--nnodes", "2", "--nproc-per-node", "2",
+                           "--grace-seconds", "5", "--", sys.executable, "-c", _FT_LOOP, out, str(steps),
+                           str(timeout), "2", "none"],
+                    env=job, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                if host == 1:
+                    time.sleep(1.0)  # host 1 reaches the coordinator first: workers 0 and 1, the chief's host
+            for p in launchers:  # every worker of a host in the loop (each prints "ready")
+                assert p.stdout is not None
+                early, ready = "", 0
+                while ready < 2 and (line := p.stdout.readline()):
+                    ready += line.strip() == "ready"
+                    early += line
+                assert ready == 2, early
+            time.sleep(0.5)
+            lost = time.monotonic()
+            if how == "kill":
+                os.killpg(launchers[0].pid, signal.SIGKILL)
+            else:
+                hosts.link_down(1)
+            # while the survivors regroup and train on
+            attack = hosts.start(3, [sys.executable, "-c", _ATTACK, hosts.addresses[0], str(port)], env=job,
+                                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            survivor_out, survivor_err = launchers[1].communicate(timeout=timeout + 120)
+            took = time.monotonic() - lost
+            first_out, first_err = launchers[0].communicate(timeout=timeout + 60)
+            attacked = attack.communicate(timeout=60)[0]
+            coordinator.terminate()
+            _, coordinator_err = coordinator.communicate(timeout=30)
+        print(f"host 2's workers finished {took:.1f}s after host 1 was lost ({how})")
+        assert "plain client refused" in attacked and "wrong secret refused" in attacked, attacked
+        assert "refused" in coordinator_err, coordinator_err  # the coordinator counted the attempts
+        assert launchers[1].returncode == 0, survivor_err
+        assert "lost workers [0, 1]" in survivor_err and survivor_out.count("members [2, 3]") == 2, (
+            survivor_out + survivor_err)
+        if how == "cut":  # host 1's workers, cut off from the coordinator, stop without writing
+            assert launchers[0].returncode != 0, first_err
+        assert not os.path.exists(f"{out}.0") and not os.path.exists(f"{out}.1")
+        want = torch.load(f"{reference}.0", weights_only=True)
+        for identity in (2, 3):
+            got = torch.load(f"{out}.{identity}", weights_only=True)
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    finally:
         shutil.rmtree(out_dir, ignore_errors=True)

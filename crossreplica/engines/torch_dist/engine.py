@@ -142,6 +142,12 @@ class TorchDistEngine(WorkerEngine):
         """The failure that put the process group out of step, or None."""
         return self._broken
 
+    def stopped_peers(self) -> list[int]:
+        return self.watchdog.stopped_peers()
+
+    def store_lost(self) -> str | None:
+        return self.watchdog.store_lost()
+
     # ------------------------------------------------------------ Engine API
 
     def execute(self, replica_id: int, call: Call, tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -29,13 +29,11 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ... import store_keys
+
 __all__ = ["Heartbeat", "Pulses"]
 
 _log = logging.getLogger(__name__)
-
-
-def _key(prefix: str, rank: int) -> str:
-    return f"{prefix}/heartbeat/{rank}"
 
 
 class _Beater:
@@ -96,17 +94,33 @@ class Heartbeat:
     def __init__(self, store: Any, prefix: str, rank: int, period: float):
         self.period = period
         self.stopped = False
-        self._key = _key(prefix, rank)
+        #: why the store failed a beat (its host is gone), once it has
+        self.failure: str | None = None
+        self._calling_since: float | None = None  # when the beat under way began
+        self._key = store_keys.heartbeat(prefix, rank)
         self._store = store.clone()
         self._store.add(self._key, 1)  # at once: a peer that reads it now sees this worker alive
         _BEATER.add(self)
 
     def beat(self) -> None:
+        self._calling_since = time.monotonic()
         try:
             self._store.add(self._key, 1)
         except Exception as e:  # noqa: BLE001 - the store host is gone: the peers' waits say so
             _log.debug("heartbeat %s stopped: %s", self._key, e)
+            self.failure = f"{type(e).__name__}: {e}"
             self.stopped = True
+        self._calling_since = None
+
+    def store_lost(self, after: float) -> str | None:
+        """Why this worker's store is gone: a beat failed (its host died, refused), or one has
+        waited ``after`` seconds for an answer (frozen, cut off); None while it answers."""
+        if self.failure is not None:
+            return f"it failed a heartbeat ({self.failure})"
+        since = self._calling_since
+        if since is not None and time.monotonic() - since >= after:
+            return f"it has not answered a heartbeat for {time.monotonic() - since:.1f}s"
+        return None
 
     def stop(self) -> None:
         self.stopped = True
@@ -117,7 +131,7 @@ class Pulses:
 
     def __init__(self, prefix: str, rank: int, world_size: int, stopped_after: float):
         self.stopped_after = stopped_after
-        self._keys = {peer: _key(prefix, peer) for peer in range(world_size) if peer != rank}
+        self._keys = {peer: store_keys.heartbeat(prefix, peer) for peer in range(world_size) if peer != rank}
         self._seen: dict[int, tuple[int, float]] = {}  # peer -> (counter, when first read at it)
 
     def lost(self, read: Callable[[Callable[[Any], Any]], Any]) -> list[int]:

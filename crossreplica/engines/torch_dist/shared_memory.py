@@ -45,19 +45,21 @@ docs/architecture.md, "engines/torch_dist/shared_memory.py"):
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import threading
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
+from ... import store_keys
 from ...errors import CollectiveMismatchError, CollectiveTimeoutError
 from ...reduce_op import WIRE_DTYPES, ReduceOp
 from ..base import Pending
+from ..deadline import Deadline
 from ..reduction import reduce_into
 from .agreement import mismatch, shared_code
 from .shm_files import HEADER, SHM_DIR, alive, create, open_existing, reads, unlink
@@ -76,12 +78,13 @@ _DEPOSITED, _PUBLISHED = 0, 1
 _DESCRIBED, _OFFSET, _NUMEL, _CALL, _DIGEST = 2, 3, 4, 5, 6
 _Code = tuple[int, int]  # a call's number and code (agreement.shared_code)
 _BLOCK_BYTES = 1 << 20  # per block of a slice: its running result is re-read from cache
-# A wait yields the core for its first millisecond, then sleeps 50 us, doubling to
-# 200 us: a peer's last bucket is noticed within 0.2 ms (measured on the transformer
-# model: 1 ms pauses left 2-5 ms per step in the final wait, these 1-3 ms). Yielding
-# pays even with more workers than cores (4 on 2: 0.15 ms per 4 KiB call, 0.40 ms
-# with sleeps alone), since a yield hands the core to a runnable peer.
+# A wait (Deadline.back_off) yields the core for its first millisecond, then sleeps
+# 50 us, doubling to 200 us: a peer's last bucket is noticed within 0.2 ms (measured
+# on the transformer model: 1 ms pauses left 2-5 ms per step in the final wait, these
+# 1-3 ms). Yielding pays even with more workers than cores (4 on 2: 0.15 ms per 4 KiB
+# call, 0.40 ms with sleeps alone), since a yield hands the core to a runnable peer.
 _SPIN = 1e-3
+_FIRST_PAUSE = 5e-5
 _MAX_PAUSE = 2e-4
 _POOLED_BYTES = 1 << 20
 _ARENA_MIN_BYTES = 1 << 20
@@ -213,9 +216,9 @@ class SharedMemoryReducer:
         """Posts this worker's ``value`` at ``what`` in the store, waits for every worker's
         (``watchdog.until``: bounded by the timeout, abort-aware) and returns them in rank order."""
         watchdog, rank = self._eng.watchdog, self._eng.rank
-        store, prefix = watchdog.store, f"{watchdog.prefix}/shm/{what}"
-        store.set(f"{prefix}/{rank}", value)
-        keys = [f"{prefix}/{r}" for r in range(self._eng.world_size)]
+        store = watchdog.store
+        store.set(store_keys.shared_memory(watchdog.prefix, what, rank), value)
+        keys = [store_keys.shared_memory(watchdog.prefix, what, r) for r in range(self._eng.world_size)]
 
         def late() -> list[int]:
             return [r for r, key in enumerate(keys) if not store.check([key])]
@@ -518,23 +521,17 @@ class SharedMemoryReducer:
         seconds, so the watchdog's store reads stay off a fast round's path."""
         eng = self._eng
         watchdog = eng.watchdog
-        spin_until, pause = time.monotonic() + _SPIN, 5e-5
+        wait = Deadline(watchdog.timeout, watchdog.slow)  # the watchdog's bounds; the pauses go on across attempts
 
         def attempt() -> bool:
-            nonlocal pause
-            give_up = time.monotonic() + _ABORT_CHECK
+            check = Deadline(_ABORT_CHECK, math.inf)
             while True:
                 self.progress()
                 if all(r.reduced and _all_at_least(r.segment.headers, _PUBLISHED, r.seq) for r in rounds):
                     return True
-                now = time.monotonic()
-                if now >= give_up:
+                if check.expired():
                     break
-                if now < spin_until:
-                    os.sched_yield()
-                else:
-                    time.sleep(pause)
-                    pause = min(2 * pause, _MAX_PAUSE)
+                wait.back_off(_FIRST_PAUSE, _MAX_PAUSE, spin=_SPIN)
             dead = [rank for rank, pid in enumerate(self._pids) if rank != eng.rank and not alive(pid)]
             if dead:
                 raise WorkerFailedError(
@@ -546,7 +543,7 @@ class SharedMemoryReducer:
         watchdog.until(attempt, everyone, lambda: self._late(rounds), timed_out=lambda late: CollectiveTimeoutError(
             f"collective {watchdog.where} timed out after {watchdog.timeout:g}s on worker rank {eng.rank} "
             f"(same-host shared memory): worker ranks {late} (replicas {late}) never arrived (ranks taking "
-            f"part: {list(everyone)})", tuple(late)))
+            f"part: {list(everyone)})", tuple(late)), wait=wait)
         _memory_fence()
         return tensors
 

@@ -35,6 +35,7 @@ import atexit
 import concurrent.futures
 import datetime
 import logging
+import math
 import sys
 import time
 import weakref
@@ -44,7 +45,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ... import settings
+from ... import settings, store_keys
 from ... import torch_private as tp
 from ...errors import (CollectiveMismatchError, CollectiveTimeoutError, CrossReplicaError, ReplicaAborted,
                        ReplicaError, WorkerFailedError)
@@ -111,8 +112,8 @@ class Watchdog:
         # of engines names the same engine everywhere.
         serial = 0
         if self.store is not None:
-            serial = self.store.add(f"crossreplica/engines-of-rank{rank}", 1)
-        self._prefix = f"crossreplica/engine{serial}"
+            serial = self.store.add(store_keys.engine_serial(rank), 1)
+        self._prefix = store_keys.engine(serial)
         #: this worker's heartbeat, and its peers' (a lost peer is named within seconds)
         self.heartbeat: Heartbeat | None = None
         self.pulses: Pulses | None = None
@@ -158,12 +159,12 @@ class Watchdog:
         stopped or the deadline passed (``timed_out(late())``, or the collective's
         CollectiveTimeoutError naming ``late()``), and warns once when the wait is slow.
         ``attempt`` paces itself (a sliced backend wait, a batch of store polls); with
-        ``pace`` the loop also sleeps between attempts, doubling up to ``pace`` seconds.
+        ``pace`` the loop also pauses between attempts (:meth:`Deadline.back_off`, up to
+        ``pace`` seconds).
         ``wait``: the bounds to keep, when ``attempt`` needs them too (default: from now)."""
         if wait is None:
             wait = Deadline(self.timeout, self.slow)
         posted = False
-        pause = min(1e-4, pace)
         while not self._attempt(attempt):
             if not posted:
                 self.post_progress()
@@ -186,8 +187,7 @@ class Watchdog:
             if wait.turned_slow():
                 self.warn_slow(wait, ranks, late())
             if pace:
-                time.sleep(pause)
-                pause = min(2 * pause, pace)
+                wait.back_off(min(1e-4, pace), pace)
         if wait.warned:
             self.completed(wait)
         return wait
@@ -213,7 +213,7 @@ class Watchdog:
 
         def attempt() -> bool:
             try:
-                work.wait(datetime.timedelta(seconds=max(min(_SLICE, bounds.end - time.monotonic()), 0.001)))
+                work.wait(datetime.timedelta(seconds=max(min(_SLICE, bounds.left), 0.001)))
             except RuntimeError as e:
                 # Anything but the end of a slice (or a finished work) is the backend
                 # reporting a real failure.
@@ -233,8 +233,8 @@ class Watchdog:
         for peer in peers:
             want[peer] = self._exchanges.get(peer, 0) + 1
             self._exchanges[peer] = want[peer]
-        mine = [f"{self._prefix}/p2p/{self.rank}->{peer}" for peer in peers]
-        theirs = {peer: f"{self._prefix}/p2p/{peer}->{self.rank}" for peer in peers}
+        mine = [store_keys.p2p(self._prefix, self.rank, peer) for peer in peers]
+        theirs = {peer: store_keys.p2p(self._prefix, peer, self.rank) for peer in peers}
         posts = [mine]  # emptied once posted: a batch the store did not answer is not posted again
         waiting = list(peers)
 
@@ -243,13 +243,12 @@ class Watchdog:
             # polls for up to one batch (most exchanges end in the first poll, in one hop).
             for key in posts.pop() if posts else ():
                 store.add(key, 1)
-            end, pause = time.monotonic() + _BATCH, 0.0005
+            batch = Deadline(_BATCH, math.inf)
             while True:
                 left = [peer for peer, key in theirs.items() if store.add(key, 0) < want[peer]]
-                if not left or time.monotonic() >= end:
+                if not left or batch.expired():
                     return left
-                time.sleep(pause)
-                pause = min(pause * 2, 0.01)
+                batch.back_off(0.0005, 0.01)
 
         def attempt() -> bool:
             waiting[:] = self.probe(list(peers), poll, raises=True)  # a dead store host: a lost peer
@@ -273,9 +272,10 @@ class Watchdog:
         if self.store is None or self.world_size == 1:
             return
         self._meetings += 1
-        base = f"{self._prefix}/meet/{self.count}.{self._meetings}"
-        self.probe(None, lambda s: s.set(f"{base}/{self.rank}", what))
-        keys = {rank: f"{base}/{rank}" for rank in range(self.world_size) if rank != self.rank}
+        number = f"{self.count}.{self._meetings}"
+        self.probe(None, lambda s: s.set(store_keys.meeting(self._prefix, number, self.rank), what))
+        keys = {rank: store_keys.meeting(self._prefix, number, rank) for rank in range(self.world_size)
+                if rank != self.rank}
         absent = list(keys)
 
         def attempt() -> bool:
@@ -322,6 +322,16 @@ class Watchdog:
             self.heartbeat.stop()
         if self._transfer_thread is not None:
             self._transfer_thread.shutdown(wait=False, cancel_futures=True)
+
+    def store_lost(self) -> str | None:
+        """Why the job's store stopped answering this worker (a wait's call went unanswered,
+        or the heartbeat's failed or has waited as long as a peer's silence takes to count
+        as lost), or None."""
+        if self.probe.unreachable:
+            return f"it did not answer within {self.probe.seconds:g}s"
+        if self.heartbeat is None:
+            return None
+        return self.heartbeat.store_lost(max(settings.heartbeat_seconds(), self.probe.seconds))
 
     def stopped_peers(self) -> list[int]:
         """The peers whose heartbeat has stopped, as this worker has watched it so far
@@ -406,7 +416,7 @@ class Watchdog:
         worker leaves, it waits for them to read it (:meth:`linger`)."""
         if self.announced is None:
             self.announced = message
-        abort, read = f"{self._prefix}/abort", f"{self._prefix}/read/{self.rank}"
+        abort, read = store_keys.abort(self._prefix), store_keys.read(self._prefix, self.rank)
         self.probe(None, lambda s: (s.set(abort, message), s.set(read, "1")))
 
     def released(self, aborted: str) -> ReplicaAborted:
@@ -418,7 +428,7 @@ class Watchdog:
 
     def _has_read(self) -> None:
         """Posts that this worker knows of the failure announced (:meth:`linger` waits for it)."""
-        read = f"{self._prefix}/read/{self.rank}"
+        read = store_keys.read(self._prefix, self.rank)
         self.probe(None, lambda s: s.set(read, "1"))
 
     def announce_at_exit(self, failure: BaseException) -> None:
@@ -444,7 +454,7 @@ class Watchdog:
         if self.announced is None or self._lingered or self.store is None or self.world_size == 1:
             return
         self._lingered = True
-        keys = {peer: f"{self._prefix}/read/{peer}" for peer in range(self.world_size) if peer != self.rank}
+        keys = {peer: store_keys.read(self._prefix, peer) for peer in range(self.world_size) if peer != self.rank}
         bound = min(seconds, self.timeout)
         wait = Deadline(bound, bound)  # no slow warning: the warning below says what is left
         while True:
@@ -459,7 +469,7 @@ class Watchdog:
                 _log.warning("worker rank %d leaves before worker ranks %s read why it failed (waited %gs): "
                              "they may report it only as lost", self.rank, unread, bound)
                 return
-            time.sleep(_LINGER_POLL)
+            wait.sleep(_LINGER_POLL)
 
     @property
     def stamp(self) -> int:
@@ -468,10 +478,10 @@ class Watchdog:
 
     def post_progress(self) -> None:
         posted = f"{self.count} {self.stamp}"  # the call this worker waits at, and its stamp
-        self.probe(None, lambda s: s.set(f"{self._prefix}/progress/{self.rank}", posted))
+        self.probe(None, lambda s: s.set(store_keys.progress(self._prefix, self.rank), posted))
 
     def abort_message(self) -> str | None:
-        key = f"{self._prefix}/abort"
+        key = store_keys.abort(self._prefix)
         return self.probe(None, lambda s: s.get(key).decode(errors="replace") if s.check([key]) else None)
 
     def _posted(self, key: str) -> bool:
@@ -484,7 +494,7 @@ class Watchdog:
     def _posted_call(self, rank: int) -> tuple[int, int]:
         """The number and stamp of the last call ``rank`` posted that it waits at ((-1, 0): none,
         or unknown)."""
-        key = f"{self._prefix}/progress/{rank}"
+        key = store_keys.progress(self._prefix, rank)
 
         def read(s: Any) -> tuple[int, int]:
             if not s.check([key]):
@@ -497,7 +507,7 @@ class Watchdog:
         """Ranks among ``ranks`` that have not posted progress at this call (store based)."""
         if self.store is None:
             return [rank for rank in ranks if rank != self.rank]
-        end = time.monotonic() + grace
+        wait = Deadline(grace, math.inf)
         while True:
             missing = []
             for rank in ranks:
@@ -505,9 +515,9 @@ class Watchdog:
                     continue
                 if self._progress(rank) < self.count:
                     missing.append(rank)
-            if not missing or time.monotonic() >= end:
+            if not missing or wait.expired():
                 return missing
-            time.sleep(0.1)
+            wait.sleep(0.1)
 
     def _stopped_heartbeats(self) -> list[int]:
         """The peers whose heartbeat stops within the heartbeat window (the dead ones, when a
@@ -515,12 +525,12 @@ class Watchdog:
         connection broke only because it failed too keeps beating and is not named."""
         if self.pulses is None:
             return []
-        end = time.monotonic() + self.pulses.stopped_after + 2 * _SLICE
-        while time.monotonic() < end and self.abort_message() is None:
+        wait = Deadline(self.pulses.stopped_after + 2 * _SLICE, math.inf)
+        while not wait.expired() and self.abort_message() is None:
             stopped = self.pulses.lost(lambda call: self.probe(None, call))
             if stopped:
                 return stopped
-            time.sleep(_SLICE)
+            wait.sleep(_SLICE)
         return []
 
     def lost(self, e: BaseException) -> CrossReplicaError:
@@ -574,7 +584,7 @@ class Transfers:
         pool, bounds = self._on_thread
         for work in works:
             if id(work) not in self._pending:
-                self._pending[id(work)] = (work, pool.submit(_wait_by, work, bounds.end))
+                self._pending[id(work)] = (work, pool.submit(_wait_by, work, bounds))
 
     def __call__(self, work: Any) -> None:
         """Waits for ``work`` (raising what its wait raised)."""
@@ -622,6 +632,6 @@ def _at_exit() -> None:
 atexit.register(_at_exit)
 
 
-def _wait_by(work: Any, end: float) -> None:
-    """On the transfer thread: ``work.wait`` bounded by ``end`` (the time left when it starts)."""
-    work.wait(datetime.timedelta(seconds=max(end - time.monotonic(), 0.001)))
+def _wait_by(work: Any, bounds: Deadline) -> None:
+    """On the transfer thread: ``work.wait`` bounded by ``bounds`` (the time left when it starts)."""
+    work.wait(datetime.timedelta(seconds=max(bounds.left, 0.001)))
