@@ -26,7 +26,7 @@ from .cross_device_ops import (AllReduceCrossDeviceOps, CommunicationOptions, Cr
 from .data import InputContext, InputReplicationMode, ValueContext
 from .micro_batches import LayoutInvariant, replica_share
 from .optim import CrossShardOptimizer
-from .fault_tolerance import FaultTolerance, FencedOutError
+from .elastic.fault_tolerance import FaultTolerance, FencedOutError
 from .variables import Variable, VariableAggregation, VariableSynchronization
 from . import nn
 from .version import __version__

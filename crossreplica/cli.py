@@ -11,10 +11,10 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from . import launch as launch_module
+from .elastic import launch as launch_module
 from .elastic import coordinator as coordinator_module
 from .demo import COMPRESSIONS, STRATEGIES, TrainConfig, TrainResult, train
-from .fault_tolerance import FencedOutError
+from .errors import FencedOutError
 from .logs import LOGGER_NAME
 from .version import __version__
 

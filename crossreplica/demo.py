@@ -32,7 +32,7 @@ from torch.nn import functional as F
 from .arguments import check_int, check_number
 from .checkpoint.per_replica import digest
 from .data import split_batch
-from .fault_tolerance import FaultTolerance
+from .elastic.fault_tolerance import FaultTolerance
 from .micro_batches import LayoutInvariant
 from .optim import CrossShardOptimizer
 from .strategies import MirroredStrategy, MultiWorkerMirroredStrategy, OneDeviceStrategy, Strategy

@@ -1,11 +1,17 @@
-"""How a job forms, re-forms and recovers: its coordinator (``coordinator.py``: the job's store,
-served apart from the workers, every client authenticated with the job secret over
-``protocol.py``; ``store.py``: a worker's connection to it) and the training state a
-fault-tolerant job keeps, puts back and hands over (``state.py``).
+"""How a job forms, re-forms and recovers, in one package.
 
-``state.py`` is imported when one of its names is first used: the coordinator's
-modules sit below the strategies (a worker's set-up reaches its store through
-them), the training state above them.
+- ``coordinator.py``, ``protocol.py``, ``store.py``: the job's store served apart from the
+  workers (``crossreplica coordinator``), every client authenticated with the job secret,
+  and a worker's connection to it (a ``torch.distributed.Store``);
+- ``job_store.py``: where a job's workers meet in the store (its secret's namespace, each
+  start's token, the arrival check, the launchers' places);
+- ``launch.py``: ``crossreplica launch``, a host's workers, whose survivors go on;
+- ``membership.py``: who is left after a loss, agreed through the store, and fencing;
+- ``fault_tolerance.py``: ``cr.FaultTolerance``, a step redone on the survivors;
+- ``state.py``: the training state a fault-tolerant job keeps, puts back and hands over.
+
+The names below are imported when first used: the store's modules sit below the
+strategies (a worker's set-up reaches its store through them), the rest above.
 """
 
 from __future__ import annotations

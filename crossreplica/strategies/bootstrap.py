@@ -35,7 +35,7 @@ import torch.distributed as dist
 from .. import settings
 from ..errors import ConfigurationWarning, summarize
 from ..elastic.store import CoordinatorStore
-from .job_store import form_job, join_job
+from ..elastic.job_store import form_job, join_job
 from .network import bounded, choose_gloo_interface
 
 __all__ = ["JobEnv", "env_int", "form_process_group", "init_process_group", "local_placement", "nodelist_hosts",

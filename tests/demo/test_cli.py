@@ -30,7 +30,7 @@ def test_python_dash_m_crossreplica_is_the_command():
 
 def test_fault_tolerance_errors_are_in_cr_errors():
     from crossreplica.engines.torch_dist import WorkerFailedError
-    from crossreplica.strategies.membership import FencedOutError
+    from crossreplica.elastic.membership import FencedOutError
 
     assert cr.errors.FencedOutError is cr.FencedOutError is FencedOutError
     assert cr.errors.WorkerFailedError is cr.WorkerFailedError is WorkerFailedError

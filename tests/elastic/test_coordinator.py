@@ -342,7 +342,7 @@ def test_a_worker_given_a_coordinator_but_no_secret_is_told_to_set_it(monkeypatc
 
 
 def test_the_launcher_names_what_a_job_across_hosts_needs(monkeypatch):
-    from crossreplica.launch import launch
+    from crossreplica.elastic.launch import launch
 
     with pytest.raises(ValueError, match="nnodes=2 hosts meet at a coordinator"):
         launch([PYTHON, "-c", ""], 1, nnodes=2)
@@ -355,7 +355,7 @@ def test_the_launcher_names_what_a_job_across_hosts_needs(monkeypatch):
 
 
 def test_a_launcher_beyond_nnodes_is_refused(coordinator):
-    from crossreplica.strategies.job_store import take_host_place
+    from crossreplica.elastic.job_store import take_host_place
 
     store = _client(coordinator)
     assert [take_host_place(store, SECRET, 2, "here") for _ in range(2)] == [0, 1]
@@ -366,7 +366,7 @@ def test_a_launcher_beyond_nnodes_is_refused(coordinator):
 
 def test_the_launchers_own_job_goes_through_its_coordinator(tmp_path):
     """A one-host launch serves the authenticated store: its workers are given its address."""
-    from crossreplica.launch import launch
+    from crossreplica.elastic.launch import launch
 
     code = (f"import os; open(os.path.join({str(tmp_path)!r}, os.environ['RANK']), 'w').write(' '.join(os.environ[k] "
             "for k in ('CROSSREPLICA_COORDINATOR', 'MASTER_ADDR', 'MASTER_PORT')))")

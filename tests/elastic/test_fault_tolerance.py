@@ -18,8 +18,8 @@ from harness import SUPPORT
 
 import crossreplica as cr
 from crossreplica.elastic.state import OptimizerHandler
-from crossreplica.launch import launch
-from crossreplica.strategies.membership import (FencedOutError, Membership, StoreCalls, agree, announce_growth,
+from crossreplica.elastic.launch import launch
+from crossreplica.elastic.membership import (FencedOutError, Membership, StoreCalls, agree, announce_growth,
                                                 await_invitation, found, give_up, growth, joiners_waiting,
                                                 request_join)
 
@@ -247,7 +247,7 @@ def test_a_run_that_loses_a_worker_goes_on_and_ends_bitwise_at_the_uninterrupted
     assert got.keys() == uninterrupted.keys()
     assert all(torch.equal(got[k], uninterrupted[k]) for k in got)
     # Every survivor logged the loss at WARNING, naming the lost worker and the redone step.
-    warnings = [line for line in done.stderr.splitlines() if "crossreplica.fault_tolerance" in line]
+    warnings = [line for line in done.stderr.splitlines() if "crossreplica.elastic.fault_tolerance" in line]
     assert len(warnings) == 2, done.stderr
     assert all("lost workers [1] during step 4" in line and "regrouped into 2 workers" in line
                and "redoing step 4" in line for line in warnings)
@@ -271,7 +271,7 @@ def test_survivors_over_whom_the_micro_batches_do_not_divide_go_on_bitwise(tmp_p
     done = _train(tmp_path, "killed", "--fault-tolerant", "--kill-worker-at-step", "1:4", workers=4,
                   micro_batches=None)
     assert done.returncode == 0, done.stderr
-    warnings = [line for line in done.stderr.splitlines() if "crossreplica.fault_tolerance" in line]
+    warnings = [line for line in done.stderr.splitlines() if "crossreplica.elastic.fault_tolerance" in line]
     assert len(warnings) == 3 and all("regrouped into 3 workers (3 replicas in sync" in w for w in warnings), \
         done.stderr
     got, reference = _params(tmp_path, "killed"), _params(tmp_path, "four")

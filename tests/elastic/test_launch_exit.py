@@ -20,7 +20,7 @@ import pytest
 
 from harness import subprocess_env
 
-from crossreplica.launch import _judge, _Output, _Run, launch
+from crossreplica.elastic.launch import _judge, _Output, _Run, launch
 
 PYTHON = sys.executable
 

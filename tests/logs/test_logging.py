@@ -388,7 +388,7 @@ def test_a_backend_the_existing_process_group_overrides_warns(monkeypatch):
 
 
 def test_a_missing_job_secret_is_a_configuration_warning(monkeypatch):
-    from crossreplica.strategies.job_store import job_namespace as _job_namespace
+    from crossreplica.elastic.job_store import job_namespace as _job_namespace
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.delenv("CROSSREPLICA_JOB_SECRET", raising=False)
@@ -402,7 +402,7 @@ def test_a_short_torchrun_run_id_is_a_configuration_warning(monkeypatch, run_id,
     """torchrun's run id is the job secret when CROSSREPLICA_JOB_SECRET is unset: a short one
     (--rdzv-id=my-job) or a name without digits is guessable, and the warning says how to make
     it random."""
-    from crossreplica.strategies.job_store import job_namespace as _job_namespace
+    from crossreplica.elastic.job_store import job_namespace as _job_namespace
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
     monkeypatch.delenv("CROSSREPLICA_JOB_SECRET", raising=False)

@@ -23,7 +23,7 @@ import crossreplica as cr
 from crossreplica import settings
 from crossreplica.engines.threads import ThreadsEngine
 from crossreplica.logs import ConfigurationWarning, slow_seconds
-from crossreplica.strategies.job_store import job_namespace as _job_namespace
+from crossreplica.elastic.job_store import job_namespace as _job_namespace
 
 _SECONDS = r"must be a positive number of seconds, at most 604800 \(one week\)"
 _FLAG = r"must be one of \['1', 'true', 'yes', 'on', '0', 'false', 'no', 'off'\] \(any case\)"

@@ -134,7 +134,7 @@ def test_store_listens_only_on_master_addr_and_keys_are_secret(monkeypatch, secr
 def test_job_namespace_is_derived_from_the_secret(monkeypatch):
     """The store prefix is a digest of the job secret: different secrets, different prefixes,
     and the secret itself never appears in a key."""
-    from crossreplica.strategies.job_store import job_namespace as _job_namespace
+    from crossreplica.elastic.job_store import job_namespace as _job_namespace
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     spaces = set()
@@ -302,7 +302,7 @@ def test_each_start_of_a_job_meets_under_a_token_of_its_own_whatever_the_attempt
     even when the other ranks ask before rank 0 of the new start exists."""
     import threading
 
-    from crossreplica.strategies.job_store import form_job
+    from crossreplica.elastic.job_store import form_job
     from crossreplica.testing import free_port
 
     monkeypatch.setenv("CROSSREPLICA_JOB_SECRET", "a-secret-for-this-test-1234")

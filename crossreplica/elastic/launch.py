@@ -57,14 +57,14 @@ from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
-from .arguments import check_address
-from .elastic.coordinator import Coordinator
-from .engines.deadline import Deadline
-from .elastic.protocol import AuthenticationError
-from .elastic.store import CoordinatorStore
-from .strategies.bootstrap import JobEnv
-from .strategies.job_store import started_job, take_host_place
-from .strategies.membership import latest
+from ..arguments import check_address
+from .coordinator import Coordinator
+from ..engines.deadline import Deadline
+from .protocol import AuthenticationError
+from .store import CoordinatorStore
+from ..strategies.bootstrap import JobEnv
+from .job_store import started_job, take_host_place
+from .membership import latest
 
 __all__ = ["launch", "main"]
 

@@ -41,19 +41,19 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-import torch
 import torch.distributed as dist
 
-from . import store_keys
-from .engines.torch_dist import WorkerFailedError
-from .elastic.state import TrainingState
-from .errors import CollectiveTimeoutError, ConfigurationWarning, ReplicaAborted, summarize
-from .optim import CrossShardOptimizer
-from .reduce_op import ReduceOp
-from .strategies.bootstrap import torchrun_agent
-from .strategies.membership import (FencedOutError, Membership, StoreCalls, agree, announce_growth, await_invitation,
+from .. import store_keys
+from ..checkpoint.workers import Workers
+from ..engines.torch_dist import WorkerFailedError
+from .state import TrainingState
+from ..errors import CollectiveTimeoutError, ConfigurationWarning, ReplicaAborted, summarize
+from ..optim import CrossShardOptimizer
+from ..reduce_op import ReduceOp
+from ..strategies.bootstrap import torchrun_agent
+from .membership import (FencedOutError, Membership, StoreCalls, agree, announce_growth, await_invitation,
                                     found, give_up, growth, joiners_waiting, request_join)
-from .strategies.multi_worker import MultiWorkerExtended, MultiWorkerMirroredStrategy
+from ..strategies.multi_worker import MultiWorkerExtended, MultiWorkerMirroredStrategy
 
 __all__ = ["FaultTolerance", "FencedOutError"]
 
@@ -298,16 +298,14 @@ class FaultTolerance:
             return False, None
         ext = self._ext
         behind = self.completed < membership.newest
-        data = self._state.serialize(self.completed, self._last_result) if ext.worker_rank == 0 else b""
+        holder = ext.worker_rank == 0
+        data = self._state.serialize(self.completed, self._last_result) if holder else b""
         n = len(ext.local_replica_ids)
-        size = ext.broadcast_values([torch.tensor([len(data)], dtype=torch.int64)] * n)
-        payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
-                   else torch.empty(int(size), dtype=torch.uint8))
-        got = ext.broadcast_values([payload] * n)  # on the replicas' device (a GPU: read back to the CPU)
+        # the chief's bytes to every worker, as a checkpoint's are (checkpoint/workers.py)
+        _, got = Workers(holder, lambda t: ext.broadcast_values([t] * n)).share_from_chief(0, data)
         if not behind:
             return False, None
-        completed, result = self._state.load(got.cpu().numpy().tobytes(),
-                                             f"worker {membership.members[0]} (rank 0)")
+        completed, result = self._state.load(got, f"worker {membership.members[0]} (rank 0)")
         self.completed = completed
         self._last_result = result
         return True, result
