@@ -134,10 +134,11 @@ class Pulses:
         self._keys = {peer: store_keys.heartbeat(prefix, peer) for peer in range(world_size) if peer != rank}
         self._seen: dict[int, tuple[int, float]] = {}  # peer -> (counter, when first read at it)
 
-    def lost(self, read: Callable[[Callable[[Any], Any]], Any]) -> list[int]:
-        """The peers whose counter has not moved for ``stopped_after`` seconds of this
-        worker's watching. ``read(call)`` runs ``call(store)`` bounded (the watchdog's
-        probe), answering None when the store does not."""
+    def lost(self, read: Callable[[Callable[[Any], Any]], Any], after: float | None = None) -> list[int]:
+        """The peers whose counter has not moved for ``after`` seconds (default
+        ``stopped_after``) of this worker's watching. ``read(call)`` runs ``call(store)``
+        bounded (the watchdog's probe), answering None when the store does not."""
+        after = self.stopped_after if after is None else after
         keys = self._keys
         if not keys:
             return []
@@ -152,7 +153,7 @@ class Pulses:
             before, since = self._seen.get(peer, (-1, now))
             if counter != before:
                 self._seen[peer] = (counter, now)
-            elif counter > 0 and now - since >= self.stopped_after:
+            elif counter > 0 and now - since >= after:
                 lost.append(peer)
         return lost
 

@@ -117,6 +117,8 @@ class Watchdog:
         #: this worker's heartbeat, and its peers' (a lost peer is named within seconds)
         self.heartbeat: Heartbeat | None = None
         self.pulses: Pulses | None = None
+        #: how long the store may leave a heartbeat unanswered before it counts as lost
+        self._store_silence = max(settings.heartbeat_seconds(), self.probe.seconds)
         if self.store is not None and world_size > 1:
             stopped = settings.heartbeat_seconds()
             try:
@@ -331,7 +333,7 @@ class Watchdog:
             return f"it did not answer within {self.probe.seconds:g}s"
         if self.heartbeat is None:
             return None
-        return self.heartbeat.store_lost(max(settings.heartbeat_seconds(), self.probe.seconds))
+        return self.heartbeat.store_lost(self._store_silence)
 
     def stopped_peers(self) -> list[int]:
         """The peers whose heartbeat has stopped, as this worker has watched it so far
@@ -522,12 +524,15 @@ class Watchdog:
     def _stopped_heartbeats(self) -> list[int]:
         """The peers whose heartbeat stops within the heartbeat window (the dead ones, when a
         connection broke), or [] when none does or there are no heartbeats. A peer whose
-        connection broke only because it failed too keeps beating and is not named."""
+        connection broke only because it failed too keeps beating and is not named. A broken
+        connection is evidence already, so a counter still for half the window (several
+        missed beats) names its peer: a killed worker is named in about half the window."""
         if self.pulses is None:
             return []
+        after = self.pulses.stopped_after / 2
         wait = Deadline(self.pulses.stopped_after + 2 * _SLICE, math.inf)
         while not wait.expired() and self.abort_message() is None:
-            stopped = self.pulses.lost(lambda call: self.probe(None, call))
+            stopped = self.pulses.lost(lambda call: self.probe(None, call), after)
             if stopped:
                 return stopped
             wait.sleep(_SLICE)
