@@ -25,7 +25,8 @@ from .errors import ConfigurationWarning
 from .timeouts import MAX_TIMEOUT, canonical_timeout
 
 __all__ = ["PREFIX", "SETTINGS", "Setting", "check_collectives", "coordinator", "describe", "get", "job_secret",
-           "heartbeat_seconds", "parallel_bytes", "shared_memory", "shared_rows_members", "slow_seconds", "timeout"]
+           "launch_id", "heartbeat_seconds", "parallel_bytes", "shared_memory", "shared_rows_members", "slow_seconds",
+           "timeout"]
 
 PREFIX = "CROSSREPLICA_"
 
@@ -38,8 +39,8 @@ class Setting:
 
     ``kind`` is "seconds" (a timeout's rule: ``(0, one week]``), "int" (at least
     ``low``), "flag" (1/true/yes/on or 0/false/no/off, any case), "secret" (a
-    string), "address" (``HOST:PORT``) or "script" (read by scripts/setup.sh, not by
-    the library).
+    string), "text" (a name: printable, without spaces), "address" (``HOST:PORT``) or
+    "script" (read by scripts/setup.sh, not by the library).
     ``public`` is False for tuning knobs the test suite sets.
     """
 
@@ -63,6 +64,8 @@ class Setting:
             return "a string of printable characters, without spaces at its ends, other than 'none'"
         if self.kind == "address":
             return "HOST:PORT with a port in 1..65535, e.g. 'node0:29400'"
+        if self.kind == "text":
+            return "printable characters without spaces"
         return "read by scripts/setup.sh"
 
     def parse(self, raw: str) -> Any:
@@ -93,6 +96,8 @@ class Setting:
             return raw
         if self.kind == "address":
             return check_address(raw, label)
+        if self.kind == "text" and raw.isprintable() and not any(c.isspace() for c in raw):
+            return raw
         secret = self.kind == "secret" and text.lower() != "none"
         shown = f"a value of {len(raw)} characters (not shown: a secret)" if secret else repr(raw)
         raise ValueError(f"{label} must be {self.rule}; got {shown}")
@@ -108,6 +113,7 @@ SHARED_ROWS_MEMBERS = "CROSSREPLICA_SHARED_ROWS_MEMBERS"
 HEARTBEAT_SECONDS = "CROSSREPLICA_HEARTBEAT_SECONDS"
 JOIN = "CROSSREPLICA_JOIN"
 COORDINATOR = "CROSSREPLICA_COORDINATOR"
+LAUNCH_ID = "CROSSREPLICA_LAUNCH_ID"
 
 #: Every CROSSREPLICA_* variable, in the order docs/settings.md lists them.
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
@@ -134,6 +140,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting(JOIN, "flag", False,
             "this worker joins a running fault-tolerant job (cr.FaultTolerance) at a step boundary "
             "instead of starting one; `crossreplica launch --max-restarts` sets it on a restarted worker"),
+    Setting(LAUNCH_ID, "text", None,
+            "which worker process of its launcher this is (`crossreplica launch` sets it on a worker it starts "
+            "again): a joining worker records its identity under it, so the launcher can tell whether the job "
+            "went on without that worker", public=False),
     Setting(PARALLEL_BYTES, "int", 2 * 1024 * 1024,
             "bytes per replica from which the threads engine shares a collective's work out to "
             "every replica thread", public=False, low=1),
@@ -221,6 +231,12 @@ def coordinator() -> tuple[str, int] | None:
     """The job's coordinator (``CROSSREPLICA_COORDINATOR``) as host and port; None when unset."""
     value = get(COORDINATOR)
     return None if value is None else (str(value[0]), int(value[1]))
+
+
+def launch_id() -> str | None:
+    """Which worker process of its launcher this is (``CROSSREPLICA_LAUNCH_ID``); None when unset."""
+    value = get(LAUNCH_ID)
+    return None if value is None else str(value)
 
 
 def job_secret() -> str | None:

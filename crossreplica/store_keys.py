@@ -21,6 +21,7 @@ and the job's store (a PrefixStore under ``crossreplica/<namespace>/<token>/``):
     crossreplica/engine<e>/shm/<what>/<r> same-host shared memory set-up, worker r's part
     crossreplica/ft/founders              the workers that started a fault-tolerant job (a count)
     crossreplica/ft/joins                 joining workers' tickets (a count); join/<t>: ticket t's invitation
+    crossreplica/ft/launched/<id>         the identity a worker restarted by a launcher (CROSSREPLICA_LAUNCH_ID) got
     crossreplica/ft/<epoch>/alive/<m>     member m's completed steps after epoch <epoch> failed
     crossreplica/ft/<epoch>/decided       the next epoch's members (the first proposal wins)
     crossreplica/ft/<epoch>/fatal         a failure no regrouping mends
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 __all__ = ["ROOT", "abort", "alive", "answer", "arrivals", "decided", "engine", "engine_serial", "epoch",
            "fatal", "founders", "greeting", "grow", "heartbeat", "invitation", "job", "joins", "launch_hosts",
-           "meeting", "p2p", "progress", "read", "shared_memory", "start"]
+           "launched", "meeting", "p2p", "progress", "read", "shared_memory", "start"]
 
 ROOT = "crossreplica"
 
@@ -119,6 +120,10 @@ def joins() -> str:
 
 def invitation(ticket: int) -> str:
     return f"{ROOT}/ft/join/{ticket}"
+
+
+def launched(launch_id: str) -> str:
+    return f"{ROOT}/ft/launched/{launch_id}"
 
 
 def epoch(number: int) -> str:

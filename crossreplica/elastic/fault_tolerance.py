@@ -43,7 +43,7 @@ from typing import Any, cast
 
 import torch.distributed as dist
 
-from .. import store_keys
+from .. import settings, store_keys
 from ..checkpoint.workers import Workers
 from ..engines.torch_dist import WorkerFailedError
 from .state import TrainingState
@@ -273,6 +273,11 @@ class FaultTolerance:
         ticket, self.identity = request_join(ext.job_store, ext.timeout)
         self._founders = self.identity - ticket
         self._calls = StoreCalls(ext.job_store, self.identity)
+        launched = settings.launch_id()
+        if launched is not None:  # so that its launcher can judge its exit (elastic/launch.py)
+            identity = str(self.identity)
+            self._calls("record its identity for its launcher",
+                        lambda s: s.set(store_keys.launched(launched), identity))
         self.members, self.completed, after = (), -1, -1
         while True:
             epoch, members = await_invitation(ext.job_store, self.identity, ticket, after, ext.timeout)

@@ -57,6 +57,7 @@ from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
+from .. import store_keys
 from ..arguments import check_address
 from .coordinator import Coordinator
 from ..engines.deadline import Deadline
@@ -135,14 +136,15 @@ def _run_workers(command: Sequence[str], workers: int, node: int, nnodes: int, g
 
     def start(local: int, join: bool) -> _Run:
         rank = node * workers + local
-        joining = {"CROSSREPLICA_JOIN": "1"} if join else {}
+        launch_id = f"{node}.{len(runs)}" if join else None
+        joining = {"CROSSREPLICA_JOIN": "1", "CROSSREPLICA_LAUNCH_ID": launch_id} if launch_id else {}
         output = _Output()
         try:
             proc = subprocess.Popen(list(command), stderr=output.child_fd,
                                     env={**base, **job(rank).environ(), **joining})
         finally:
             output.started()
-        runs.append(_Run(rank, join, proc, output))
+        runs.append(_Run(rank, join, proc, output, launch_id=launch_id))
         return runs[-1]
 
     current = [start(r, False) for r in range(workers)]
@@ -156,7 +158,7 @@ def _run_workers(command: Sequence[str], workers: int, node: int, nnodes: int, g
 
     saved = {s: signal.signal(s, stop_all) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        _watch(current, grace_seconds, _Restarts(start, max_restarts))
+        _watch(current, grace_seconds, _Restarts(start, max_restarts, elsewhere=nnodes > 1))
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
@@ -168,8 +170,8 @@ def _run_workers(command: Sequence[str], workers: int, node: int, nnodes: int, g
         drain = Deadline(_DRAIN)
         for run in runs:
             run.output.close(drain.left)
-    verdict = _judge(runs, nnodes * workers, _members(store, base["CROSSREPLICA_JOB_SECRET"]))
-    for line in _summary(verdict):
+    verdict = _judge(runs, *_members(store, base["CROSSREPLICA_JOB_SECRET"], runs), across_hosts=nnodes > 1)
+    for line in _summary(verdict, any(run.code == 0 for run in runs)):
         print(line, file=sys.stderr)
     if not verdict.failed:
         return 0
@@ -180,9 +182,9 @@ def _run_workers(command: Sequence[str], workers: int, node: int, nnodes: int, g
 @dataclasses.dataclass
 class _Run:
     """One worker process: ``slot`` is its RANK; ``joining``: started again to join the running
-    job (its identity there is the one the job gives it); ``code``: its exit code, once the
-    launcher saw it exit (``ended``); ``stopped``: why the launcher stopped it (None: it exited
-    by itself)."""
+    job, as ``launch_id`` (CROSSREPLICA_LAUNCH_ID: it records the identity the job gives it
+    under that name); ``code``: its exit code, once the launcher saw it exit (``ended``);
+    ``stopped``: why the launcher stopped it (None: it exited by itself)."""
 
     slot: int
     joining: bool
@@ -191,6 +193,7 @@ class _Run:
     code: int | None = None
     ended: float = float("inf")
     stopped: str | None = None
+    launch_id: str | None = None
 
     def poll(self) -> int | None:
         if self.code is None and self.proc.poll() is not None:
@@ -198,15 +201,24 @@ class _Run:
         return self.code
 
 
-def _members(store: dist.Store, secret: str) -> tuple[int, ...] | None:
+def _members(store: dist.Store, secret: str,
+             runs: Sequence[_Run]) -> tuple[tuple[int, ...] | None, dict[str, int]]:
     """The identities in the newest membership the job's workers agreed on
-    (``cr.FaultTolerance``); None when they never agreed on one."""
+    (``cr.FaultTolerance``; None when they never agreed on one), and the identity each of
+    ``runs`` started again to join recorded (by its launch id; absent: it never asked)."""
     try:
         job = started_job(store, secret)
-        decision = None if job is None else latest(job)
+        if job is None:
+            return None, {}
+        decision = latest(job)
+        identities: dict[str, int] = {}
+        for launch_id in (run.launch_id for run in runs if run.launch_id is not None):
+            key = store_keys.launched(launch_id)
+            if job.check([key]):
+                identities[launch_id] = int(job.get(key))
     except Exception:  # noqa: BLE001 - an unreadable record is no record: every failure counts
-        return None
-    return None if decision is None else decision.members
+        return None, {}
+    return (None if decision is None else decision.members), identities
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,23 +230,24 @@ class _Verdict:
     survived: list[_Run]
 
 
-def _judge(runs: Sequence[_Run], founders: int, members: tuple[int, ...] | None) -> _Verdict:
+def _judge(runs: Sequence[_Run], members: tuple[int, ...] | None, identities: dict[str, int],
+           across_hosts: bool = False) -> _Verdict:
     """Which failed runs the job survived: a run that the job's newest membership ``members``
-    leaves out, once a run finished with 0. ``members`` None: no membership was agreed, so
-    every worker that started the job (identities 0..``founders``-1) is a member. A restarted
-    worker's identity is the job's to give, so a failed one counts as survived only while
-    the restarted workers that finished account for every member that joined."""
+    leaves out, once a run finished with 0 (``across_hosts``: on this host or, as far as this
+    launcher can know, on another). ``members`` None: no membership was agreed, so every
+    worker that started the job is a member. A worker started again has the identity the
+    job gave it (``identities``, by its launch id; none: it never asked to join, so it is no
+    member), whichever host's launcher started it."""
     bad = [run for run in runs if run.code != 0]
-    if all(run.code != 0 for run in runs):
+    if all(run.code != 0 for run in runs) and (not across_hosts or members is None):
         return _Verdict([(run, "no worker finished") for run in bad], [])
     if members is None:
         why = "the job never went on without it (no membership agreed by cr.FaultTolerance left it out)"
         return _Verdict([(run, why) for run in bad], [])
-    joined = sum(1 for m in members if m >= founders)
-    joiners_finished = sum(1 for run in runs if run.joining and run.code == 0)
     verdict = _Verdict([], [])
     for run in bad:
-        if (joined <= joiners_finished) if run.joining else run.slot not in members:
+        identity = identities.get(run.launch_id or "") if run.joining else run.slot
+        if identity is None or identity not in members:
             verdict.survived.append(run)
         else:
             verdict.failed.append((run, f"it was a member of the job to the end (its last membership: workers "
@@ -242,12 +255,18 @@ def _judge(runs: Sequence[_Run], founders: int, members: tuple[int, ...] | None)
     return verdict
 
 
-def _summary(verdict: _Verdict) -> list[str]:
-    """What stderr says about the workers that did not finish with 0."""
+def _summary(verdict: _Verdict, finished_here: bool = True) -> list[str]:
+    """What stderr says about the workers that did not finish with 0 (``finished_here``:
+    some worker of this host finished; else the job went on on other hosts)."""
     lost = "; ".join(_exit(run) for run in verdict.survived)
     if not verdict.failed:
+        if not verdict.survived:
+            return []
+        if not finished_here:
+            return [f"crossreplica launch: every worker of this host was left out of the job, which went on on the "
+                    f"other hosts without them: {lost}"]
         return [f"crossreplica launch: the job finished without the workers it lost (the others went on without "
-                f"them): {lost}"] if verdict.survived else []
+                f"them): {lost}"]
     lines = []
     for run, why in sorted(verdict.failed, key=lambda pair: pair[0].ended):
         quoted = run.output.last_lines(_QUOTED_LINES)
@@ -358,15 +377,18 @@ def _check_program(command: Sequence[str], path: str | None = None) -> None:
 
 
 class _Restarts:
-    """Starts failed workers again, to join the running job, while restarts are left."""
+    """Starts failed workers again, to join the running job, while restarts are left: while
+    another of this host's workers still runs, or, in a job across hosts (``elsewhere``),
+    while none of them has finished (the job may run on on the other hosts)."""
 
-    def __init__(self, start: Callable[[int, bool], _Run], left: int):
-        self.start, self.left = start, left
+    def __init__(self, start: Callable[[int, bool], _Run], left: int, elsewhere: bool = False):
+        self.start, self.left, self.elsewhere = start, left, elsewhere
 
     def __call__(self, current: list[_Run]) -> None:
         codes = [run.poll() for run in current]
+        running = any(c is None for c in codes) or (self.elsewhere and 0 not in codes)
         for r, code in enumerate(codes):
-            if self.left and code not in (None, 0) and any(c is None for c in codes):
+            if self.left and code not in (None, 0) and running:
                 self.left -= 1
                 left = f"{self.left} restart{'s' if self.left != 1 else ''} left"
                 print(f"crossreplica launch: worker {current[r].slot} exited with code {code}; starting it again to "

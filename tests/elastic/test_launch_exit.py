@@ -25,8 +25,8 @@ from crossreplica.elastic.launch import _judge, _Output, _Run, launch
 PYTHON = sys.executable
 
 
-def _run(slot: int, code: int, joining: bool = False) -> _Run:
-    return _Run(slot, joining, proc=None, output=None, code=code)  # type: ignore[arg-type]
+def _run(slot: int, code: int, joining: bool = False, launch_id: str | None = None) -> _Run:
+    return _Run(slot, joining, proc=None, output=None, code=code, launch_id=launch_id)  # type: ignore[arg-type]
 
 
 def _names(runs) -> list[tuple[int, bool]]:
@@ -42,24 +42,41 @@ def _names(runs) -> list[tuple[int, bool]]:
     ([1, 1, 1], (0, 2), [0, 1, 2], []),         # nobody finished
 ])
 def test_a_failure_is_survived_only_when_the_job_went_on_without_it(codes, members, failed, survived):
-    verdict = _judge([_run(slot, code) for slot, code in enumerate(codes)], len(codes), members)
+    verdict = _judge([_run(slot, code) for slot, code in enumerate(codes)], members, {})
     assert [run.slot for run, _ in verdict.failed] == failed
     assert [run.slot for run in verdict.survived] == survived
 
 
-def test_a_restarted_worker_is_judged_by_the_members_that_joined():
-    # Worker 1 lost, started again: it joined as identity 3 (members [0, 2, 3]) and finished.
-    runs = [_run(0, 0), _run(1, 1), _run(2, 0), _run(1, 0, joining=True)]
-    verdict = _judge(runs, 3, (0, 2, 3))
+def test_a_restarted_worker_is_judged_by_the_identity_it_recorded():
+    # Worker 1 lost, started again (launch id "0.3"): it joined as identity 3 (members [0, 2, 3]) and finished.
+    runs = [_run(0, 0), _run(1, 1), _run(2, 0), _run(1, 0, joining=True, launch_id="0.3")]
+    verdict = _judge(runs, (0, 2, 3), {"0.3": 3})
     assert not verdict.failed and _names(verdict.survived) == [(1, False)]
     # It joined but then failed: a member that did not finish.
-    runs[3] = _run(1, 1, joining=True)
-    verdict = _judge(runs, 3, (0, 2, 3))
+    runs[3] = _run(1, 1, joining=True, launch_id="0.3")
+    verdict = _judge(runs, (0, 2, 3), {"0.3": 3})
     assert _names(run for run, _ in verdict.failed) == [(1, True)]
     assert "a member of the job to the end (its last membership: workers [0, 2, 3])" in verdict.failed[0][1]
     # It failed before it was admitted: the job went on without it.
-    verdict = _judge(runs, 3, (0, 2))
+    verdict = _judge(runs, (0, 2), {"0.3": 3})
     assert not verdict.failed and _names(verdict.survived) == [(1, False), (1, True)]
+    # It joined, then was lost again, while another host's restarted worker (identity 4) finished
+    # as a member: this host's joiner is judged by its own identity, not by a count of joiners.
+    verdict = _judge(runs, (0, 2, 4), {"0.3": 3})
+    assert not verdict.failed and _names(verdict.survived) == [(1, False), (1, True)]
+    # It never asked to join (it died importing torch): no member.
+    verdict = _judge(runs, (0, 2, 3), {})
+    assert not verdict.failed
+
+
+def test_a_host_whose_workers_were_all_left_out_survived_them_when_the_job_runs_across_hosts():
+    runs = [_run(2, -9), _run(3, 1)]  # this host's two workers: killed, then cut off
+    assert _names(run for run, _ in _judge(runs, (0, 1), {}).failed) == [(2, False), (3, False)]  # one host
+    verdict = _judge(runs, (0, 1), {}, across_hosts=True)  # the job went on on the other host
+    assert not verdict.failed and _names(verdict.survived) == [(2, False), (3, False)]
+    verdict = _judge(runs, (0, 1, 3), {}, across_hosts=True)  # worker 3 was a member to the end
+    assert _names(run for run, _ in verdict.failed) == [(3, False)]
+    assert [r.slot for r, _ in _judge(runs, None, {}, across_hosts=True).failed] == [2, 3]
 
 
 @pytest.mark.multiprocess

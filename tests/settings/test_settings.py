@@ -54,6 +54,7 @@ BAD = [
     ("CROSSREPLICA_COORDINATOR", "node0:0", _ADDRESS),
     ("CROSSREPLICA_COORDINATOR", ":29400", _ADDRESS),
     ("CROSSREPLICA_COORDINATOR", "node0:http", _ADDRESS),
+    ("CROSSREPLICA_LAUNCH_ID", "two words", r"must be printable characters without spaces"),
     ("CROSSREPLICA_JOB_SECRET", "none", _SECRET),
     ("CROSSREPLICA_JOB_SECRET", " padded", _SECRET),
     ("CROSSREPLICA_JOB_SECRET", "tab\tinside", _SECRET),

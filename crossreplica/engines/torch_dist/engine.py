@@ -143,7 +143,8 @@ class TorchDistEngine(WorkerEngine):
         return self._broken
 
     def stopped_peers(self) -> list[int]:
-        return self.watchdog.stopped_peers()
+        # A broken group is evidence already (as when a collective names the lost: watchdog.lost).
+        return self.watchdog.stopped_peers(broken=self._broken is not None)
 
     def store_lost(self) -> str | None:
         return self.watchdog.store_lost()
@@ -224,6 +225,8 @@ class TorchDistEngine(WorkerEngine):
                 raise
             err = self.watchdog.lost(e)
             self._broken = err
+            if not isinstance(err, ReplicaAborted):  # the first to know: release the workers waiting elsewhere
+                self.watchdog.announce(str(err))
             _broke(err)
             raise err from e
 

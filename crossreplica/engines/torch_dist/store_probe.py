@@ -28,6 +28,9 @@ __all__ = ["PROBE_SECONDS", "StoreProbe"]
 
 #: how long one store call of a wait may take before the store counts as unreachable
 PROBE_SECONDS = 3.0
+#: a second, short wait before that verdict: a worker frozen (SIGSTOP) in a call finds the
+#: answer waiting when it thaws, though its clock ran past the first wait
+_THAWED = 0.5
 
 _log = logging.getLogger(__name__)
 
@@ -104,7 +107,7 @@ class StoreProbe:
         done = threading.Event()
         store = self.store
         _requests.put((lambda: call(store), box, done))
-        if not done.wait(self.seconds):
+        if not done.wait(self.seconds) and not done.wait(_THAWED):
             self.unreachable = True
             _log.warning("the store did not answer within %gs: this worker is probably cut off from the store "
                          "host (rank 0, or torchrun's agent); its waits now run to their timeout", self.seconds)

@@ -335,12 +335,14 @@ class Watchdog:
             return None
         return self.heartbeat.store_lost(self._store_silence)
 
-    def stopped_peers(self) -> list[int]:
+    def stopped_peers(self, broken: bool = False) -> list[int]:
         """The peers whose heartbeat has stopped, as this worker has watched it so far
-        (none without heartbeats); for waits outside a collective (a regrouping)."""
+        (none without heartbeats); for waits outside a collective (a regrouping). ``broken``:
+        the group already failed, so half the window names a peer (as :meth:`lost` does)."""
         if self.pulses is None:
             return []
-        return self.pulses.lost(lambda call: self.probe(None, call))
+        after = self.pulses.stopped_after / 2 if broken else None
+        return self.pulses.lost(lambda call: self.probe(None, call), after)
 
     def _due(self, read: str) -> bool:
         """Whether the store read ``read`` is due: at most once a slice each, so that a
