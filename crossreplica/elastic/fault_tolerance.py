@@ -9,7 +9,7 @@ replicas in sync. When the step fails because a worker died, froze, hung
 past the timeout or was cut off, the survivors
 
 1. put their state back as it was when the step began,
-2. agree on who is left through the job's store (:mod:`.strategies.membership`):
+2. agree on who is left through the job's store (:mod:`.membership`):
    the lost workers are fenced out,
 3. form a new process group and engine under a new store prefix
    (``MultiWorkerExtended.regroup``),
@@ -46,14 +46,14 @@ import torch.distributed as dist
 from .. import settings, store_keys
 from ..checkpoint.workers import Workers
 from ..engines.torch_dist import WorkerFailedError
-from .state import TrainingState
 from ..errors import CollectiveTimeoutError, ConfigurationWarning, ReplicaAborted, summarize
 from ..optim import CrossShardOptimizer
 from ..reduce_op import ReduceOp
 from ..strategies.bootstrap import torchrun_agent
-from .membership import (FencedOutError, Membership, StoreCalls, agree, announce_growth, await_invitation,
-                                    found, give_up, growth, joiners_waiting, request_join)
 from ..strategies.multi_worker import MultiWorkerExtended, MultiWorkerMirroredStrategy
+from .membership import (FencedOutError, Membership, StoreCalls, agree, announce_growth, await_invitation, found,
+                         give_up, growth, joiners_waiting, request_join)
+from .state import TrainingState
 
 __all__ = ["FaultTolerance", "FencedOutError"]
 

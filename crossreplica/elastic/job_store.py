@@ -1,9 +1,9 @@
 """Where the workers of one job meet: the store prefix their secret and this start of the
 job give, and the arrival check before the process group forms.
 
-The store (rank 0's, or torchrun's agent's) has no authentication, so every key
-crossreplica writes lives under a prefix derived from a job secret
-(:func:`job_namespace`). Workers given different secrets never meet: each waits
+A store served by rank 0 or torchrun's agent has no authentication (a coordinator's
+has: :mod:`.coordinator`); every key crossreplica writes lives under a prefix derived
+from a job secret (:func:`job_namespace`). Workers given different secrets never meet: each waits
 under its own prefix, and torch's process-group set-up would time out with
 ``DistStoreError: wait timeout ... keys: /crossreplica/<hash>`` after the whole
 timeout. :func:`await_workers` makes that a fast, plain error: each worker also

@@ -1,10 +1,14 @@
-"""``crossreplica launch``: start the workers of a one-host job and let the survivors finish.
+"""``crossreplica launch``: start a host's workers of a job and let the survivors finish.
 
-``crossreplica launch --workers N -- COMMAND ...`` hosts the job's store in this
-process and starts ``N`` copies of ``COMMAND`` with torchrun's environment
-(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, with
-the store marked as an agent's, as torchrun does) and a fresh random
-``CROSSREPLICA_JOB_SECRET`` unless one is set.
+``crossreplica launch --workers N -- COMMAND ...`` serves the job's store in this
+process (the coordinator's authenticated store, :mod:`.coordinator`) and starts ``N``
+copies of ``COMMAND`` with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, with the store marked as an agent's, as
+torchrun does; :meth:`JobEnv.environ`), the store's address (CROSSREPLICA_COORDINATOR)
+and a fresh random ``CROSSREPLICA_JOB_SECRET`` unless one is set. With ``--coordinator
+HOST:PORT --nnodes H`` the job spans H hosts, each running this launcher with the same
+secret: they meet at that ``crossreplica coordinator``, and each takes its place (its
+workers' ranks) in the order it arrives there.
 
 Why not torchrun: when one worker fails, torchrun's agent stops every other
 worker (and, with ``--max-restarts``, starts them all again from the last
@@ -59,13 +63,13 @@ import torch.distributed as dist
 
 from .. import store_keys
 from ..arguments import check_address
-from .coordinator import Coordinator
 from ..engines.deadline import Deadline
-from .protocol import AuthenticationError
-from .store import CoordinatorStore
 from ..strategies.bootstrap import JobEnv
+from .coordinator import Coordinator
 from .job_store import started_job, take_host_place
 from .membership import latest
+from .protocol import AuthenticationError
+from .store import CoordinatorStore
 
 __all__ = ["launch", "main"]
 
