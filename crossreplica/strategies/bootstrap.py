@@ -26,6 +26,7 @@ import os
 import re
 import secrets
 import socket
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -341,7 +342,7 @@ def init_process_group(backend: str, timeout: float) -> tuple[bool, Any, bool]:
     if job is None:
         # No launcher: a single worker, so the same script runs as `python script.py`.
         _log.info("no launcher environment (RANK, WORLD_SIZE): running as a single worker (backend %s)", backend)
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
+        _init_group(backend, dist.HashStore(), 0, 1, timeout)
         return True, None, False
     rank, world, address, port = job.rank, job.world_size, job.master_addr, job.master_port
     if job.derived:
@@ -355,8 +356,7 @@ def init_process_group(backend: str, timeout: float) -> tuple[bool, Any, bool]:
         job_store = join_job(tcp_store, timeout)
         _log.info("joining the running job in the store at MASTER_ADDR=%s MASTER_PORT=%d (CROSSREPLICA_JOIN); "
                   "alone until cr.FaultTolerance admits this worker", address, port)
-        dist.init_process_group(backend, store=dist.PrefixStore(f"joiners/{secrets.token_hex(8)}", job_store),
-                                rank=0, world_size=1, timeout=td)
+        _init_group(backend, dist.PrefixStore(f"joiners/{secrets.token_hex(8)}", job_store), 0, 1, timeout)
         return True, job_store, True
     if job.restart_count not in ("", "0"):
         _log.warning("worker rank %d was restarted by the elastic agent (TORCHELASTIC_RESTART_COUNT=%s): "
@@ -392,8 +392,24 @@ def form_process_group(backend: str, store: Any, rank: int, world: int, timeout:
             "resolve to 127.0.1.1 when peers are remote), or set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME) to the "
             "interface that reaches MASTER_ADDR")
     with bounded(f"{what} the process group (worker rank {rank} of {world}, backend {backend})", timeout, hint):
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout))
+        _init_group(backend, store, rank, world, timeout)
+
+
+#: sys.excepthook as it was before this process's first process group
+_hook_before_groups: Any = None
+
+
+def _init_group(backend: str, store: Any, rank: int, world: int, timeout: float) -> None:
+    """``dist.init_process_group``, each time over the excepthook the process had before its
+    first group: torch wraps the hook it finds with one that prefixes ``[rank<r>]:``, so a
+    job that regroups would otherwise prefix a traceback once per group it ever had."""
+    global _hook_before_groups
+    if _hook_before_groups is None:
+        _hook_before_groups = sys.excepthook
+    else:
+        sys.excepthook = _hook_before_groups
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout))
 
 
 def _tcp_store(job: JobEnv, is_master: bool, td: datetime.timedelta) -> dist.TCPStore:

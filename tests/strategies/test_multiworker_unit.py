@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 import warnings
 
@@ -264,8 +266,6 @@ def test_workers_with_different_job_secrets_fail_fast_saying_so():
     """Each worker waits under its own secret's prefix, so they never meet: once both have
     reached the store, both fail at once with the cause, not after the timeout with torch's
     opaque DistStoreError; neither reveals a secret."""
-    import subprocess
-    import sys
 
     from harness import REPO, subprocess_env
 
@@ -346,8 +346,6 @@ def test_each_start_of_a_job_meets_under_a_token_of_its_own_whatever_the_attempt
 def test_a_set_up_stuck_in_the_backend_ends_the_process_with_the_cause():
     """init_process_group can block in gloo's C++ connect loop: past the timeout plus a grace
     the process says why on stderr and exits (code 1) instead of hanging."""
-    import subprocess
-    import sys
 
     from harness import REPO, subprocess_env
 
@@ -360,3 +358,25 @@ def test_a_set_up_stuck_in_the_backend_ends_the_process_with_the_cause():
     assert done.returncode == 1 and time.monotonic() - start < 20
     assert "forming the process group did not finish within the timeout (0.3s)" in done.stderr
     assert "Set GLOO_SOCKET_IFNAME." in done.stderr
+
+
+_REGROUPS = r"""
+import torch.distributed as dist
+from crossreplica import torch_private as tp
+from crossreplica.strategies.bootstrap import form_process_group
+form_process_group("gloo", dist.HashStore(), 0, 1, 30)
+for _ in range(3):  # what a fault-tolerant job's regrouping does
+    tp.retire_default_group()
+    form_process_group("gloo", dist.HashStore(), 0, 1, 30, regroup=True)
+raise ValueError("boom")
+"""
+
+
+def test_a_traceback_after_regroupings_has_one_rank_prefix():
+    from harness import REPO, subprocess_env
+
+    done = subprocess.run([sys.executable, "-c", _REGROUPS], capture_output=True, text=True, timeout=120,
+                          cwd=REPO, env=subprocess_env())
+    assert done.returncode == 1
+    assert "[rank0]: ValueError: boom" in done.stderr, done.stderr
+    assert "[rank0]: [rank0]:" not in done.stderr, done.stderr
