@@ -16,7 +16,6 @@ cover every replica of every worker (the hooks below).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import warnings
 import weakref
@@ -36,6 +35,7 @@ from ..engines.base import AllGatherParams, AllReduceParams, BroadcastParams, Ca
 from ..engines.hierarchical import HierarchicalEngine
 from ..engines.sparse import reduce_gathered, sparse_leaves
 from ..engines.torch_dist import TorchDistEngine
+from ..engines.torch_dist.plan import keep_for_good
 from ..errors import summarize
 from ..groups import Groups
 from ..logs import ConfigurationWarning
@@ -71,14 +71,6 @@ def running() -> MultiWorkerMirroredStrategy | None:
         if engine.world_size == dist.get_world_size() and engine.rank == dist.get_rank():
             return strategy
     return None
-
-
-def _keep_for_good(group: Any) -> None:
-    """Holds one more reference to the retired process group ``group`` that nothing ever
-    drops, not even the interpreter's exit: its destructor joins the group's threads, and
-    one of them may wait in a receive from a frozen peer (gloo cannot abort it) until the
-    group's timeout, minutes after the survivors are done."""
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
 def _state_tensors(obj: Any) -> list[torch.Tensor]:
@@ -231,7 +223,7 @@ class MultiWorkerExtended(StrategyExtended):
                 old.abort()  # type: ignore[union-attr]
             tp.retire_default_group()
             if old is not None:
-                _keep_for_good(old)
+                keep_for_good(old)
         form_process_group(backend, store, rank, world_size, float(self.engine_options["timeout"]), regroup=True)
         self._container._owns_process_group = True  # type: ignore[attr-defined]
         self.engine = _build_engine(self.engine_options)

@@ -251,7 +251,7 @@ class TorchDistEngine(WorkerEngine):
         self.staging.close()
         if self.chain_pool is not None:
             self.chain_pool.shutdown(wait=False, cancel_futures=True)
-        self.planner.close()
+        self.planner.close(abandon=self._broken is not None)
         self.watchdog.close()
         if self.shared_memory is not None:
             self.shared_memory.close()

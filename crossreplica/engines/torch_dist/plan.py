@@ -12,6 +12,7 @@ blocking collectives on overlapping subgroups cannot deadlock.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from ...groups import Groups
 from ..base import Call
 
-__all__ = ["GroupPlan", "Planner", "Step", "by_worker_set"]
+__all__ = ["GroupPlan", "Planner", "Step", "by_worker_set", "keep_for_good"]
 
 
 class GroupPlan(NamedTuple):
@@ -75,16 +76,30 @@ class Planner:
         self._plans[groups] = plan
         return plan
 
-    def close(self) -> None:
-        """Destroys the subgroups this planner created."""
+    def close(self, abandon: bool = False) -> None:
+        """Destroys the subgroups this planner created; ``abandon`` (their peers may be lost):
+        aborts them and keeps them for good instead (:func:`keep_for_good`)."""
         for pg in self._subgroups.values():
-            if pg is not None:
-                try:
+            if pg is None:
+                continue
+            try:
+                if abandon:
+                    pg.abort()  # type: ignore[attr-defined]
+                    keep_for_good(pg)
+                else:
                     dist.destroy_process_group(pg)
-                except Exception:  # noqa: BLE001, S110 - best effort at shutdown
-                    pass
+            except Exception:  # noqa: BLE001, S110 - best effort at shutdown
+                pass
         self._subgroups.clear()
         self._plans.clear()
+
+
+def keep_for_good(group: Any) -> None:
+    """Holds one more reference to the retired process group ``group`` that nothing ever
+    drops, not even the interpreter's exit: its destructor (and torch's destroy) joins the
+    group's threads, and one of them may wait in a receive from a frozen peer (gloo cannot
+    abort it) until the group's timeout, minutes after the survivors are done."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
 def by_worker_set(plan: list[GroupPlan]) -> dict[tuple[int, ...], list[GroupPlan]]:
