@@ -24,7 +24,7 @@ from .arguments import check_address, check_int
 from .errors import ConfigurationWarning
 from .timeouts import MAX_TIMEOUT, canonical_timeout
 
-__all__ = ["PREFIX", "SETTINGS", "Setting", "check_collectives", "coordinator", "describe", "get", "job_secret",
+__all__ = ["PREFIX", "SETTINGS", "Setting", "check_collectives", "describe", "get", "job_secret",
            "launch_id", "heartbeat_seconds", "parallel_bytes", "shared_memory", "shared_rows_members", "slow_seconds",
            "timeout"]
 
@@ -225,12 +225,6 @@ def shared_memory() -> bool:
 def join() -> bool:
     """Whether this worker joins a running fault-tolerant job (``CROSSREPLICA_JOIN``)."""
     return bool(get(JOIN))
-
-
-def coordinator() -> tuple[str, int] | None:
-    """The job's coordinator (``CROSSREPLICA_COORDINATOR``) as host and port; None when unset."""
-    value = get(COORDINATOR)
-    return None if value is None else (str(value[0]), int(value[1]))
 
 
 def launch_id() -> str | None:

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from .. import settings
 from ..engines.deadline import Deadline
 from .protocol import (HANDSHAKE_SECONDS, AuthenticationError, Channel, Op, Status, key_of, pack,
-                       server_handshake, unpack)
+                       server_handshake, shut, unpack)
 
 __all__ = ["MIN_SECRET", "Coordinator", "add_arguments", "main"]
 
@@ -118,10 +118,7 @@ class Coordinator:
         finally:
             with self._changed:
                 self._connections.discard(sock)
-            try:
-                sock.close()
-            except OSError:
-                pass
+            sock.close()
 
     def close(self) -> None:
         """Stops serving: the listener and every connection close (clients see the coordinator gone)."""
@@ -129,16 +126,10 @@ class Coordinator:
             self._closed = True
             connections = list(self._connections)
             self._changed.notify_all()
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (closing alone would not)
-        except OSError:
-            pass
+        shut(self._listener)  # wakes the accept
         self._listener.close()
         for sock in connections:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            shut(sock)  # their threads close them
         self._thread.join(5.0)
 
     def __enter__(self) -> Coordinator:
@@ -286,8 +277,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"crossreplica coordinator: serving the job's store on {coordinator.host}:{coordinator.port} "
           f"(clients authenticate with CROSSREPLICA_JOB_SECRET)", flush=True)
     try:
-        while not stop.wait(1.0):
-            pass
+        while not stop.is_set():
+            stop.wait(1.0)  # a signal handler sets it
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)

@@ -27,6 +27,7 @@ driver and task services do with their secret, written for a byte store.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import hmac
@@ -35,7 +36,7 @@ import socket
 import struct
 
 __all__ = ["ACCEPTED", "DENIED", "HANDSHAKE_SECONDS", "MAGIC", "MAX_FRAME", "AuthenticationError", "Channel",
-           "Op", "Status", "client_handshake", "key_of", "pack", "server_handshake", "unpack"]
+           "Op", "Status", "client_handshake", "key_of", "pack", "server_handshake", "shut", "unpack"]
 
 #: what each side sends first: a plain TCPStore (or anything else) at the address is told apart at once
 MAGIC = b"crossreplica-coordinator/1\n"
@@ -187,11 +188,15 @@ class Channel:
         return payload
 
     def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        shut(self.sock)
         self.sock.close()
+
+
+def shut(sock: socket.socket) -> None:
+    """Shuts ``sock`` down both ways, which wakes a thread blocked on it (closing alone would
+    not); one already gone is left as it is."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def pack(code: int, fields: list[bytes]) -> bytes:

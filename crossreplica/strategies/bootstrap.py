@@ -100,21 +100,14 @@ class JobEnv:
             ValueError: the environment is partial or inconsistent (naming the variable and the fix).
         """
         env = os.environ if environ is None else environ
-        if env_int("WORLD_SIZE", environ=env) is not None or env_int("RANK", environ=env) is not None:
-            job = cls._torchrun(env)
-        elif _slurm_step(env):
-            job = cls._slurm(env)
-        else:
-            return None
+        # With a coordinator, it serves the store: MASTER_ADDR:MASTER_PORT are its address.
         text = env.get(settings.COORDINATOR, "").strip()
-        if not text:
-            return job
-        # The coordinator serves the store: that is where MASTER_ADDR:MASTER_PORT point for this job.
-        address = settings.coordinator() if environ is None else settings.SETTINGS[settings.COORDINATOR].parse(text)
-        assert address is not None
-        host, port = address
-        return dataclasses.replace(job, coordinator=(host, port), master_addr=host, master_port=port,
-                                   agent_store=True, derived="")
+        coordinator = settings.SETTINGS[settings.COORDINATOR].parse(text) if text else None
+        if env_int("WORLD_SIZE", environ=env) is not None or env_int("RANK", environ=env) is not None:
+            return cls._torchrun(env, coordinator)
+        if _slurm_step(env):
+            return cls._slurm(env, coordinator)
+        return None
 
     def environ(self) -> dict[str, str]:
         """The environment a launcher gives this worker (torchrun's variables, and the
@@ -131,10 +124,9 @@ class JobEnv:
         return env
 
     @classmethod
-    def _torchrun(cls, env: Mapping[str, str]) -> JobEnv:
-        if env.get(settings.COORDINATOR, "").strip():  # the coordinator serves the store (read)
-            env = {"MASTER_ADDR": "-", "MASTER_PORT": "1", **{k: v for k, v in env.items() if v}}
-        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+    def _torchrun(cls, env: Mapping[str, str], coordinator: tuple[str, int] | None) -> JobEnv:
+        needed = ("RANK", "WORLD_SIZE") + (("MASTER_ADDR", "MASTER_PORT") if coordinator is None else ())
+        missing = [k for k in needed if not env.get(k)]
         if missing:
             raise ValueError(
                 f"MultiWorkerMirroredStrategy reads the torchrun environment, but {missing} "
@@ -146,18 +138,20 @@ class JobEnv:
         launcher = ("torchrun" if env.get("TORCHELASTIC_RUN_ID") else
                     "crossreplica launch" if agent_store else "hand")
         local_rank, local_world = _local(env, "LOCAL_RANK", env_int("LOCAL_WORLD_SIZE", environ=env))
-        return cls._checked(launcher, rank, world, local_rank, local_world, env["MASTER_ADDR"],
-                            env_int("MASTER_PORT", environ=env), agent_store,
-                            env.get("TORCHELASTIC_RESTART_COUNT", "0") or "0")
+        address, port = coordinator or (env["MASTER_ADDR"], env_int("MASTER_PORT", environ=env))
+        return cls._checked(launcher, rank, world, local_rank, local_world, address, port,
+                            agent_store or coordinator is not None, env.get("TORCHELASTIC_RESTART_COUNT", "0") or "0",
+                            coordinator=coordinator)
 
     @classmethod
-    def _slurm(cls, env: Mapping[str, str]) -> JobEnv:
+    def _slurm(cls, env: Mapping[str, str], coordinator: tuple[str, int] | None) -> JobEnv:
         rank, world = _required(env, "SLURM_PROCID"), _required(env, "SLURM_STEP_NUM_TASKS")
         local_rank, local_world = _local(env, "SLURM_LOCALID", _slurm_local_world(env))
+        if coordinator is not None:
+            return cls._checked("srun", rank, world, local_rank, local_world, *coordinator, agent_store=True,
+                                coordinator=coordinator)
         derived = []
         address = env.get("MASTER_ADDR")
-        if env.get(settings.COORDINATOR, "").strip():  # the coordinator serves the store (read)
-            return cls._checked("srun", rank, world, local_rank, local_world, "-", 1)
         if not address:
             source = next((k for k in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
                            if env.get(k)), None)
@@ -181,14 +175,14 @@ class JobEnv:
     @classmethod
     def _checked(cls, launcher: str, rank: int, world: int, local_rank: int, local_world: int, address: str,
                  port: int | None, agent_store: bool = False, restart_count: str = "0",
-                 derived: str = "") -> JobEnv:
+                 derived: str = "", coordinator: tuple[str, int] | None = None) -> JobEnv:
         names = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS") if launcher == "srun" else ("RANK", "WORLD_SIZE")
         if not 0 <= rank < world:
             raise ValueError(f"{names[0]}={rank} must be in [0, {names[1]}={world})")
         if port is None or not 0 < port < 65536:
             raise ValueError(f"MASTER_PORT={port} must be a TCP port in 1..65535")
         return cls(launcher, rank, world, local_rank, local_world, address, port, agent_store, restart_count,
-                   derived)
+                   derived, coordinator)
 
 
 def _required(env: Mapping[str, str], name: str) -> int:
@@ -349,7 +343,8 @@ def init_process_group(backend: str, timeout: float) -> tuple[bool, Any, bool]:
         _log.info("started by srun: rank %d of %d (SLURM_PROCID, SLURM_STEP_NUM_TASKS), store at %s:%d (%s)",
                   rank, world, address, port, job.derived)
     is_master = rank == 0 and not job.agent_store and not settings.join()
-    tcp_store = _coordinator_store(job, td) if job.coordinator is not None else _tcp_store(job, is_master, td)
+    tcp_store = (_tcp_store(job, is_master, td) if job.coordinator is None else
+                 _coordinator_store(*job.coordinator, td))
     if settings.join():
         # Alone until cr.FaultTolerance admits it into the job at a step boundary
         # (regroup): set-up collectives (mirror, ...) meet nobody meanwhile.
@@ -429,15 +424,13 @@ def _tcp_store(job: JobEnv, is_master: bool, td: datetime.timedelta) -> dist.TCP
     return store
 
 
-def _coordinator_store(job: JobEnv, td: datetime.timedelta) -> CoordinatorStore:
-    """The store the job's coordinator serves, reached with the job secret."""
-    assert job.coordinator is not None
+def _coordinator_store(host: str, port: int, td: datetime.timedelta) -> CoordinatorStore:
+    """The store the job's coordinator at ``host:port`` serves, reached with the job secret."""
     secret = settings.job_secret()
     if secret is None:
         raise ValueError(f"{settings.COORDINATOR} names the job's coordinator, which serves only the workers "
                          f"that know the job secret; set CROSSREPLICA_JOB_SECRET to the coordinator's (the same "
                          f"on every host)")
-    host, port = job.coordinator
     return CoordinatorStore(host, port, secret, td)
 
 

@@ -212,8 +212,10 @@ def _launcher(port: int, env: dict, params: str, *extra: str) -> subprocess.Pope
 
 
 def _job_env() -> dict:
-    env = {**os.environ, "CROSSREPLICA_JOB_SECRET": SECRET, "CROSSREPLICA_TIMEOUT": "30", "OMP_NUM_THREADS": "1"}
-    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "CROSSREPLICA_COORDINATOR"):
+    # every other setting at its default: the documented cluster launch as users run it
+    env = {**os.environ, "CROSSREPLICA_JOB_SECRET": SECRET, "OMP_NUM_THREADS": "1"}
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "CROSSREPLICA_COORDINATOR",
+              "CROSSREPLICA_TIMEOUT"):
         env.pop(k, None)
     return env
 
@@ -337,8 +339,9 @@ def test_a_worker_given_a_coordinator_but_no_secret_is_told_to_set_it(monkeypatc
 
     monkeypatch.delenv("CROSSREPLICA_JOB_SECRET", raising=False)
     job = JobEnv.read({"RANK": "0", "WORLD_SIZE": "2", "CROSSREPLICA_COORDINATOR": "127.0.0.1:1"})
+    assert job is not None and job.coordinator == ("127.0.0.1", 1)
     with pytest.raises(ValueError, match="set CROSSREPLICA_JOB_SECRET to the coordinator's"):
-        _coordinator_store(job, SECONDS)
+        _coordinator_store(*job.coordinator, SECONDS)
 
 
 def test_the_launcher_names_what_a_job_across_hosts_needs(monkeypatch):

@@ -415,6 +415,15 @@ print(f"members {list(ft.members)}", flush=True)
 """
 
 
+def _ft_reference(out_dir: str, steps: int, timeout: float) -> str:
+    """``_FT_LOOP`` on one worker, without a launcher: the parameters a fault-tolerant run of it
+    ends at on any worker count (layout-invariant); returns the path its worker 0 saved to."""
+    reference = os.path.join(out_dir, "reference")
+    subprocess.run([sys.executable, "-c", _FT_LOOP, reference, str(steps), str(timeout), "1", "none"], cwd=REPO,
+                   env=_env(), check=True, capture_output=True, timeout=120)
+    return reference
+
+
 @pytest.mark.parametrize("how", ["cut", "kill", "rejoin", "cut-in-forward", "cut-in-optimizer"])
 def test_a_fault_tolerant_job_goes_on_without_a_host_cut_off_which_stops_itself(how):
     """Workers 0 and 1 on host 0 (worker 0 serves the store), worker 2 on host 1, in a
@@ -430,9 +439,7 @@ def test_a_fault_tolerant_job_goes_on_without_a_host_cut_off_which_stops_itself(
     out_dir = tempfile.mkdtemp(prefix="crossreplica-hosts-test-", dir="/var/tmp")
     try:
         out = os.path.join(out_dir, "params")
-        reference = os.path.join(out_dir, "reference")
-        subprocess.run([sys.executable, "-c", _FT_LOOP, reference, str(steps), str(timeout), "1", "none"], cwd=REPO,
-                       env=_env(), check=True, capture_output=True, timeout=120)  # one worker, no launcher
+        reference = _ft_reference(out_dir, steps, timeout)
         with SimulatedHosts(2) as hosts:
             port, job = str(_port()), _env()
             procs = []
@@ -516,9 +523,7 @@ def test_a_job_at_a_coordinator_survives_losing_the_chiefs_host_and_shuts_out_a_
     out_dir = tempfile.mkdtemp(prefix="crossreplica-hosts-test-", dir="/var/tmp")
     try:
         out = os.path.join(out_dir, "params")
-        reference = os.path.join(out_dir, "reference")
-        subprocess.run([sys.executable, "-c", _FT_LOOP, reference, str(steps), str(timeout), "2", "none"], cwd=REPO,
-                       env=_env(), check=True, capture_output=True, timeout=120)  # one worker, no launcher
+        reference = _ft_reference(out_dir, steps, timeout)
         with SimulatedHosts(4) as hosts:
             port, job = _port(), _env()
             coordinator = hosts.start(0, [sys.executable, "-m", "crossreplica", "coordinator", "--port", str(port)],
